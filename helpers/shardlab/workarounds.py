@@ -1,0 +1,50 @@
+"""Every workaround for an upstream PhysicsNeMo behaviour lives here, and only here.
+
+Each one names what it works around; ``tests/test_workarounds.py`` fails as soon as
+upstream no longer needs it, so it can be deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+
+@contextlib.contextmanager
+def cpu_safe_process_group_init(timeout: timedelta):
+    """Let ``DistributedManager.initialize()`` create a process group on CPU, with our timeout.
+
+    Upstream: NVIDIA/physicsnemo issue #1936 (fix proposed in PR #1938). ``DistributedManager.setup``
+    passes ``device_id=torch.device("cpu")`` to ``init_process_group``; torch rejects a device_id
+    that is not an accelerator with an index (ValueError), and PhysicsNeMo only catches
+    TypeError. It also passes no timeout, so gloo would wait 30 minutes for a missing rank.
+    """
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        device_id = kwargs.get("device_id")
+        if device_id is not None and getattr(device_id, "type", None) == "cpu":
+            del kwargs["device_id"]
+        kwargs.setdefault("timeout", timeout)
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+
+
+def register_shard_ops_on_cpu() -> None:
+    """Register ShardTensor's op handlers (reductions, conv halos, norms...) on a CPU-only host.
+
+    Upstream: ``physicsnemo.domain_parallel`` calls ``register_custom_ops()`` at import only
+    ``if torch.cuda.is_available()``. Without it, e.g. the backward of a sum over a Shard(1)
+    ShardTensor fails with "placement[0] doesn't have a matching shard in shard_order".
+    Registering twice is harmless: the handlers are keyed by op.
+    """
+    from physicsnemo.domain_parallel import register_custom_ops
+
+    register_custom_ops()
