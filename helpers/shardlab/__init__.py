@@ -1,14 +1,18 @@
 """shardlab: the helpers of the PhysicsNeMo distributed notebook series.
 
-Layers, each importing only the ones before it: launch -> cluster -> report.
+Layers, each importing only the ones before it:
+launch -> cluster -> mesh -> measure -> report, with smoke (the CLI) on top.
 Notebooks import it once as ``import shardlab as sl``.
 """
 
+from . import cluster, launch, measure, mesh, report, smoke, workarounds
 from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
 from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
+from .mesh import MeshError, build_mesh, resolve_mesh_shape
 from .report import Table, summarize_rank_errors
 
 __all__ = [
-    "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "Table",
-    "detect_launch", "init_distributed", "leftover_processes", "start_cluster", "summarize_rank_errors",
+    "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
+    "build_mesh", "cluster", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure",
+    "mesh", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
 ]

@@ -58,8 +58,25 @@ def find_mpiexec() -> str:
     return found
 
 
+def mpi_environment() -> dict[str, str]:
+    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}
+
+
+def mpi_arguments(n: int) -> list[str]:
+    """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
+    args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
+    if n > (os.cpu_count() or 1):
+        args.append("--oversubscribe")
+    return args
+
+
 def _is_ours(proc: psutil.Process) -> bool:
     try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False  # already dead, only waiting for its parent to reap it
         cmd = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
@@ -132,6 +149,12 @@ def _process_tree(pid: int) -> list[tuple[int, float]]:
     return out
 
 
+def _launcher_rank() -> int:
+    from shardlab.launch import detect_launch
+
+    return detect_launch().rank
+
+
 def _engine_setup(master_port: int, timeout_s: float, threads: int, hide_gpus: bool) -> dict:
     # Runs on every engine before the notebook's first %%px cell.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -147,17 +170,25 @@ def _engine_setup(master_port: int, timeout_s: float, threads: int, hide_gpus: b
 
 
 class MPICluster:
-    """ipyparallel engines started by ``mpiexec``, each one a rank with DistributedManager initialised.
+    """ipyparallel engines started by ``mpiexec`` (or Slurm), each a rank with DistributedManager initialised.
 
     Use as a context manager, or call ``stop()``; a kernel that exits stops it too.
     """
 
     def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None):
+                 start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None,
+                 engines: str = "mpi", controller_ip: str = "127.0.0.1"):
         auto_n, auto_device = default_engine_count()
         self.device = auto_device if device == "auto" else device
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'.")
+        if engines not in ("mpi", "slurm"):
+            raise ValueError(f"engines={engines!r}: use 'mpi' (mpiexec on this machine) or 'slurm' (sbatch + srun).")
+        if engines == "slurm" and controller_ip.startswith("127."):
+            raise ValueError("engines='slurm' runs engines on other nodes: pass controller_ip='*' (or this node's "
+                             "address) so they can reach the controller. CurveZMQ still encrypts the traffic.")
+        self.engines = engines
+        self.controller_ip = controller_ip
         self.n = auto_n if n is None else int(n)
         if self.n < 1:
             raise ValueError(f"n={n}: a cluster needs at least one engine.")
@@ -174,30 +205,17 @@ class MPICluster:
         self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
         self.master_port = free_port()
         self.cores = os.cpu_count() or 1
-        self.oversubscribed = self.device == "cpu" and self.n > self.cores
         self.states: list[dict] = []
         self.start_seconds: float | None = None
+        self.timings: dict[str, float] = {}
         self._cluster = None
         self.client = None
         self.view = None
         self._profile_dir = None
+        self._processes: list[tuple[int, float]] = []
         self._record_file = REGISTRY / f"{self.cluster_id}.json"
 
     # -- starting -------------------------------------------------------------------------
-    def _mpi_env(self) -> dict[str, str]:
-        env = {}
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            # OpenMPI refuses to run as root without both of these (containers often are root).
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        if self.device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return env
-
-    def _mpi_args(self) -> list[str]:
-        args = ["--bind-to", "none"]  # ranks share the cores; pinning them all to core 0 would serialise them
-        if self.oversubscribed:
-            args.append("--oversubscribe")
-        return args
 
     def start(self) -> "MPICluster":
         import ipyparallel as ipp
@@ -211,16 +229,17 @@ class MPICluster:
 
         self._profile_dir = tempfile.mkdtemp(prefix=f"{self.cluster_id}-")
         os.chmod(self._profile_dir, 0o700)
-        env = self._mpi_env()
+        env = mpi_environment() | ({"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {})
         self._cluster = ipp.Cluster(
-            engines="mpi", n=self.n, cluster_id=self.cluster_id, profile_dir=self._profile_dir,
-            controller_ip="127.0.0.1", controller_args=["--IPController.enable_curve=True"],
+            engines=self.engines, n=self.n, cluster_id=self.cluster_id, profile_dir=self._profile_dir,
+            controller_ip=self.controller_ip, controller_args=["--IPController.enable_curve=True"],
             log_level=40,
         )
         cfg = self._cluster.config
         cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-        cfg.MPIEngineSetLauncher.mpi_args = self._mpi_args()
+        cfg.MPIEngineSetLauncher.mpi_args = mpi_arguments(self.n)
         cfg.MPIEngineSetLauncher.environment = env
+        cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
         cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"}
 
         t0 = time.perf_counter()
@@ -231,6 +250,7 @@ class MPICluster:
             self._register()
             self.client = self._cluster.connect_client_sync()
             self._wait_for_engines(t0)
+            self.timings["engines registered"] = time.perf_counter() - t0
             self._engine_ranks()
             threads = max(1, self.cores // self.n)
             view = self.client[:]
@@ -242,6 +262,7 @@ class MPICluster:
             self.stop()
             raise
         self.start_seconds = time.perf_counter() - t0
+        self.timings["DistributedManager ready"] = self.start_seconds - self.timings["engines registered"]
         self.view = view
         return self
 
@@ -253,6 +274,7 @@ class MPICluster:
             proc = getattr(launcher, "process", None)
             if proc is not None:
                 pids += _process_tree(proc.pid)
+        self._processes = pids
         record = {"owner_pid": me.pid, "owner_created": me.create_time(), "processes": pids,
                   "profile_dir": self._profile_dir}
         self._record_file.write_text(json.dumps(record))
@@ -280,11 +302,11 @@ class MPICluster:
         self._register()  # the engines' processes exist now
 
     def _engine_ranks(self) -> None:
-        ranks = self.client[:].apply_async(lambda: int(__import__("os").environ["OMPI_COMM_WORLD_RANK"]))
-        ranks = self.wait(ranks, 30, "report its MPI rank")
+        ranks = self.client[:].apply_async(_launcher_rank)
+        ranks = self.wait(ranks, 30, "report its launcher rank")
         ids = list(self.client.ids)
         if ranks != ids:
-            raise ClusterError(f"engine ids {ids} do not match MPI ranks {ranks}; %%px labels would be misleading.")
+            raise ClusterError(f"engine ids {ids} do not match launcher ranks {ranks}; %%px labels would be misleading.")
 
     # -- using ----------------------------------------------------------------------------
     def wait(self, async_result, timeout_s: float, what: str):
@@ -309,6 +331,18 @@ class MPICluster:
         install_rank_error_summary(ip, self)
         return self
 
+    def alive_processes(self) -> list[int]:
+        """PIDs of this cluster's engines, controller and mpiexec that are still running."""
+        alive = []
+        for pid, created in self._processes:
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
     def table(self) -> list[dict]:
         """Every rank's DistributedManager state, as rows."""
         return self.states
@@ -319,11 +353,6 @@ class MPICluster:
         if self._cluster is None:
             return
         cluster, self._cluster = self._cluster, None
-        record = {}
-        try:
-            record = json.loads(self._record_file.read_text())
-        except (OSError, ValueError):
-            pass
         try:
             if self.client is not None:
                 self.client.close()
@@ -333,7 +362,7 @@ class MPICluster:
             cluster.stop_cluster_sync()
         except Exception:  # whatever is left is killed below
             pass
-        _kill([tuple(p) for p in record.get("processes", [])], grace_s=1.0)
+        _kill(self._processes, grace_s=1.0)
         self._record_file.unlink(missing_ok=True)
         shutil.rmtree(self._profile_dir, ignore_errors=True)
         atexit.unregister(self.stop)
@@ -347,7 +376,11 @@ class MPICluster:
 
 
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
-                  activate: bool = True) -> MPICluster:
-    """Start ``n`` MPI-launched engines (default: one per GPU, else 4 CPU ranks) and enable ``%%px``."""
-    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s).start()
+                  activate: bool = True, **options) -> MPICluster:
+    """Start ``n`` engines (default: one per GPU, else 4 CPU ranks) and make ``%%px`` run on all of them.
+
+    ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` inside a Slurm
+    allocation (ipyparallel submits the engines with sbatch + srun).
+    """
+    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, **options).start()
     return cluster.activate() if activate else cluster

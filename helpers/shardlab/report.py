@@ -39,7 +39,7 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) 
     lines = []
     timed_out = []
     for rank, name, message in sorted(errors):
-        first = (message or "").strip().splitlines()[0] if message else ""
+        first = next(iter((message or "").strip().splitlines()), "")
         lines.append(f"rank {rank}: {name}: {first[:200]}")
         if _TIMEOUT.search(f"{name} {message}"):
             timed_out.append(rank)
@@ -67,6 +67,8 @@ def install_rank_error_summary(ip, cluster) -> None:
     def handler(shell, etype, value, tb, tb_offset=None):
         summary = summarize_rank_errors(_composite_errors(value), [s["rank"] for s in cluster.states])
         header = ["The %%px cell failed on the MPI cluster:", *("  " + line for line in summary), ""]
-        return header + value.render_traceback()
+        # IPython discards a custom handler's return value: the handler must show the error itself,
+        # as an "error" output, or nbmake would not see the failure.
+        shell._showtraceback(etype, value, header + value.render_traceback())
 
     ip.set_custom_exc((CompositeError, AlreadyDisplayedError), handler)

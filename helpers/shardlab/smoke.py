@@ -157,6 +157,102 @@ def run_distributed(args) -> tuple[dict, bool, int]:
     return report, ok, state.rank
 
 
+def rank_rows(report: dict) -> list[dict]:
+    """One flat row per rank of a distributed smoke report, for a table."""
+    rows = []
+    for r in report["ranks"]:
+        row = {k: r[k] for k in ("rank", "local_rank", "world_size", "launcher", "method", "backend", "device")}
+        row["mesh (ddp, domain)"] = tuple(r["mesh_coordinate"])
+        row |= {f"{name} ok": r[name]["ok"] for name in report["checks"]}
+        rows.append(row)
+    return rows
+
+
+def what_this_machine_proves(facts: dict) -> list[dict]:
+    """Which claims of the series this machine can prove, from its GPU count."""
+    gpus = len(facts["gpus"])
+    rows = [
+        ("launcher detection, DistributedManager on N ranks", "any ranks", True),
+        ("sharded results equal single-device results (values, gradients)", "any ranks", True),
+        ("DDP and FSDP2 give the same losses; FSDP2 divides state bytes", "any ranks", True),
+        ("NCCL backend, one rank per GPU", "2+ GPUs", gpus >= 2),
+        ("GPU memory per rank (torch.cuda statistics)", "1+ GPU", gpus >= 1),
+        ("speed-ups from more ranks", "2+ GPUs", gpus >= 2),
+    ]
+    return [{"claim": claim, "needs": needs, "proved here": "yes" if ok else "no: documented, not measured here"}
+            for claim, needs, ok in rows]
+
+
+LAUNCHERS = ("torchrun", "mpirun", "pmi")
+
+
+def launch_command(launcher: str, n: int, args: list[str]) -> list[str]:
+    """The command line that starts the smoke CLI on n local ranks with this launcher."""
+    from .cluster import find_mpiexec, mpi_arguments
+
+    py = sys.executable
+    if launcher == "torchrun":
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "shardlab.smoke", *args]
+    if launcher == "mpirun":
+        return [find_mpiexec(), "-n", str(n), *mpi_arguments(n), py, "-m", "shardlab.smoke", *args]
+    if launcher == "pmi":
+        return [py, "-m", "shardlab.smoke", *args]  # started n times with MPICH's PMI variables
+    raise ValueError(f"launcher={launcher!r}: use one of {LAUNCHERS}")
+
+
+def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
+    """Run ``python -m shardlab.smoke --distributed`` on n local ranks; return its JSON report.
+
+    Adds ``command`` and ``seconds`` to the report. ``launcher="pmi"`` starts the n processes
+    itself with the variables MPICH's mpiexec would set (MPICH is not installed here).
+    """
+    import signal
+    import subprocess
+    import time
+
+    from .cluster import free_port, mpi_environment
+
+    args = ["--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
+    cmd = launch_command(launcher, n, args)
+    env = os.environ | mpi_environment() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(name, None)  # a notebook kernel must not leak its own launch into the children
+    if launcher == "pmi":
+        envs = [env | {"PMI_RANK": str(r), "PMI_SIZE": str(n), "MPI_LOCALRANKID": str(r)} for r in range(n)]
+    else:
+        envs = [env]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for e in envs]
+    outputs = []
+    for rank, proc in enumerate(procs):
+        try:
+            outputs.append(proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - t0))))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            who = f"process {rank}" if launcher == "pmi" else launcher
+            raise TimeoutError(f"{who} did not finish within {timeout_s:.0f} s: {' '.join(cmd)}") from None
+    seconds = time.perf_counter() - t0
+    stdout = "".join(out for out, _ in outputs)
+    try:
+        report = json.loads(stdout)
+    except ValueError:
+        stderr = "\n".join(err for _, err in outputs)[-3000:]
+        codes = [p.returncode for p in procs]
+        raise RuntimeError(f"{launcher} run printed no JSON report (exit codes {codes}). stderr:\n{stderr}") from None
+    shown = " ".join(cmd).replace(sys.executable, "python").replace(os.path.dirname(sys.executable) + os.sep, "")
+    if launcher == "pmi":
+        shown = f"PMI_RANK=<r> PMI_SIZE={n} MPI_LOCALRANKID=<r> {shown}   # for r in 0..{n - 1}"
+    report["command"] = shown
+    report["seconds"] = round(seconds, 1)
+    report["returncode"] = max(p.returncode for p in procs)
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardlab.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("--distributed", action="store_true", help="run on every rank of a torchrun/mpirun/srun launch")

@@ -1,0 +1,99 @@
+"""detect_launch over plain environment dicts: no processes, no torch.distributed."""
+
+import pytest
+
+from shardlab.launch import LaunchError, LaunchInfo, detect_launch
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
+
+
+@pytest.mark.parametrize(
+    "env, launcher, method, rank, local_rank, world",
+    [
+        (TORCHRUN, "torchrun", "ENV", 1, 1, 4),
+        (SLURM, "slurm", "SLURM", 2, 0, 4),
+        (OPENMPI, "openmpi", "OPENMPI", 3, 3, 4),
+        (MPICH, "mpich", None, 1, 1, 2),
+        ({}, "none", None, 0, 0, 1),
+    ],
+)
+def test_each_launcher(env, launcher, method, rank, local_rank, world):
+    info = detect_launch(env)
+    assert (info.launcher, info.physicsnemo_method) == (launcher, method)
+    assert (info.rank, info.local_rank, info.world_size) == (rank, local_rank, world)
+
+
+def test_torchrun_address_and_port():
+    info = detect_launch(TORCHRUN)
+    assert (info.master_addr, info.master_port) == ("10.0.0.1", "29500")
+
+
+def test_slurm_address_comes_from_slurm_not_master_addr():
+    # PhysicsNeMo's SLURM method ignores MASTER_ADDR, so the report must too.
+    info = detect_launch({**SLURM, "MASTER_ADDR": "ignored"})
+    assert info.master_addr == "10.0.0.9"
+
+
+def test_mpich_note_explains_pmi_is_not_read():
+    assert "PMI" in detect_launch(MPICH).note
+
+
+@pytest.mark.parametrize(
+    "env, launcher",
+    [
+        ({**OPENMPI, **SLURM, **TORCHRUN}, "torchrun"),
+        ({**OPENMPI, **SLURM}, "slurm"),
+        # The forced method wins over autodetection, as in PhysicsNeMo.
+        ({**TORCHRUN, **OPENMPI, "PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD": "OPENMPI"}, "openmpi"),
+        ({**TORCHRUN, **SLURM, "PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD": "SLURM"}, "slurm"),
+        ({**TORCHRUN, **SLURM, "PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD": "ENV"}, "torchrun"),
+    ],
+)
+def test_precedence(env, launcher):
+    assert detect_launch(env).launcher == launcher
+
+
+def test_bad_forced_method_lists_accepted_values():
+    with pytest.raises(LaunchError, match="ENV, SLURM or OPENMPI"):
+        detect_launch({**TORCHRUN, "PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD": "MPI"})
+
+
+def _without(env, name):
+    return {k: v for k, v in env.items() if k != name}
+
+
+# Every mistake must surface as a LaunchError that says what to change, never as the
+# ZeroDivisionError/ValueError/TypeError PhysicsNeMo or int() would raise later.
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        (_without(TORCHRUN, "LOCAL_RANK"), r"LOCAL_RANK is not set(.|\n)*also set LOCAL_RANK"),
+        ({**TORCHRUN, "RANK": "one"}, "RANK='one' is not an integer"),
+        ({**TORCHRUN, "RANK": ""}, "RANK is not set"),
+        ({**TORCHRUN, "RANK": "4"}, r"rank 4 is outside 0\.\.3"),
+        ({**TORCHRUN, "RANK": "-1"}, r"rank -1 is outside"),
+        ({**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "0"}, "world size is 0; it must be at least 1"),
+        ({**TORCHRUN, "LOCAL_RANK": "9"}, "local rank 9 is outside"),
+        ({**SLURM, "SLURM_NPROCS": "x"}, "SLURM_NPROCS='x' is not an integer"),
+        (_without(OPENMPI, "OMPI_COMM_WORLD_LOCAL_RANK"), "OMPI_COMM_WORLD_LOCAL_RANK is not set.*set OMPI_COMM_WORLD_LOCAL_RANK too"),
+        (_without(MPICH, "MPI_LOCALRANKID"), "MPI_LOCALRANKID nor PMI_LOCAL_RANK.*set LOCAL_RANK"),
+        (_without(MPICH, "PMI_SIZE"), "PMI_SIZE is not set"),
+    ],
+)
+def test_bad_environment_raises_launch_error(env, match):
+    with pytest.raises(LaunchError, match=match):
+        detect_launch(env)
+
+
+def test_mpich_accepts_pmi_local_rank():
+    env = {**_without(MPICH, "MPI_LOCALRANKID"), "PMI_LOCAL_RANK": "0"}
+    assert detect_launch(env).local_rank == 0
+
+
+def test_as_row_has_the_dataclass_fields():
+    row = detect_launch(TORCHRUN).as_row()
+    assert list(row) == list(LaunchInfo.__dataclass_fields__)
+    assert row["launcher"] == "torchrun" and row["rank"] == 1 and row["note"] == ""

@@ -1,0 +1,44 @@
+"""A notebook must fail under nbmake when any rank raises, and fail (not hang) when a rank skips a
+collective. Each fixture runs in its own pytest, as CI would run a learner's notebook."""
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run_nbmake(name: str, tmp_path: Path, timeout_s: float = 240) -> tuple[int, str, float]:
+    shutil.copy(FIXTURES / name, tmp_path / name)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # keep the repository's options out of it
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=200", "-p", "no:cacheprovider", name],
+        cwd=tmp_path, capture_output=True, text=True, timeout=timeout_s,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def test_control_notebook_passes(tmp_path, no_leftovers):
+    code, out, _ = run_nbmake("passes.ipynb", tmp_path)
+    assert code == 0, out[-3000:]
+
+
+def test_error_on_one_rank_fails_the_notebook(tmp_path, no_leftovers):
+    code, out, _ = run_nbmake("fails_on_one_rank.ipynb", tmp_path)
+    assert code == 1, f"nbmake did not fail a notebook whose rank 1 raised:\n{out[-3000:]}"
+    assert "rank 1: ValueError: rank 1 fails on purpose" in out
+    assert "rank 0 is fine" in out  # the healthy rank's output is kept, labelled by rank
+
+
+def test_rank_skipping_a_collective_fails_within_the_timeout(tmp_path, no_leftovers):
+    code, out, seconds = run_nbmake("hangs_in_collective.ipynb", tmp_path)
+    assert code == 1, out[-3000:]
+    assert "Timed out waiting 10000ms" in out
+    assert "rank(s) [0] timed out in a collective waiting for rank(s) [1]" in out
+    # Cluster start (~20-30 s on 2 cores) + the 10 s collective timeout; 30 minutes would mean gloo's default.
+    assert seconds < 150, f"took {seconds:.0f} s"

@@ -1,0 +1,49 @@
+"""The smoke CLI on real ranks: torchrun (2 and 4), mpirun (2) and a simulated MPICH launch (2), CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardlab.smoke import CHECKS, run_smoke
+
+
+def test_single_process_reports_versions_and_device():
+    out = subprocess.run([sys.executable, "-m", "shardlab.smoke"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["check"]["ok"] and report["versions"]["nvidia-physicsnemo"]
+    assert report["backend"] == ("nccl" if report["gpus"] else "gloo")
+
+
+@pytest.mark.parametrize(
+    "launcher, n, expected_mesh, expected_method",
+    [
+        ("torchrun", 2, {"ddp": 1, "domain": 2}, "env"),
+        ("torchrun", 4, {"ddp": 2, "domain": 2}, "env"),
+        ("mpirun", 2, {"ddp": 1, "domain": 2}, "openmpi"),
+        ("pmi", 2, {"ddp": 1, "domain": 2}, "env"),  # MPICH variables, mapped to ENV by init_distributed
+    ],
+)
+def test_distributed_checks_pass_on_every_rank(launcher, n, expected_mesh, expected_method, no_leftovers):
+    report = run_smoke(launcher, n)
+    assert report["returncode"] == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
+    assert report["mesh"] == expected_mesh
+    assert [r["rank"] for r in report["ranks"]] == list(range(n))
+    for row in report["ranks"]:
+        assert row["world_size"] == n and row["method"] == expected_method and row["backend"] == "gloo"
+        assert all(row[name]["ok"] for name in CHECKS)
+    # Ranks of one domain group hold different halves; the global shape is the same everywhere.
+    assert {tuple(r["scatter"]["global_shape"]) for r in report["ranks"]} == {(1, 3, 10, 6)}
+    assert {tuple(r["scatter"]["local_shape"]) for r in report["ranks"]} == {(1, 3, 5, 6)}
+
+
+def test_bad_domain_size_exits_with_a_message_not_a_traceback(no_leftovers):
+    with pytest.raises(RuntimeError, match="does not divide the world size 2"):
+        run_smoke("torchrun", 2, checks=(), domain=3)
+
+
+def test_checks_without_distributed_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "shardlab.smoke", "--check-grad"], capture_output=True, text=True)
+    assert out.returncode == 2 and "needs --distributed" in out.stderr

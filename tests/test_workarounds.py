@@ -1,0 +1,94 @@
+"""Each test asserts that an upstream bug behind a shardlab workaround is STILL there.
+
+When one fails, upstream has fixed the bug: delete the workaround (and the test) as the
+assertion message says. Every check runs in a fresh CPU-only interpreter, because both
+bugs depend on import-time and process-group state that a test process cannot undo.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+TIMEOUT_S = 120
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    # Drop launcher variables inherited from whatever runs pytest (mpirun, srun, torchrun).
+    base = {k: v for k, v in os.environ.items()
+            if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PHYSICSNEMO_"))}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, "CUDA_VISIBLE_DEVICES": "", **env},
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+
+
+def _single_rank_env() -> dict:
+    # World size 1 is enough: the device_id check happens before any rendezvous with peers.
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def test_1936_cpu_process_group_init_still_fails_upstream():
+    result = _run(
+        """
+        from physicsnemo.distributed import DistributedManager
+        DistributedManager.initialize()
+        """,
+        **_single_rank_env(),
+    )
+    assert result.returncode != 0, (
+        "upstream fixed physicsnemo #1936: delete cpu_safe_process_group_init from shardlab/workarounds.py"
+    )
+    assert "ValueError" in result.stderr and "device_id" in result.stderr, (
+        "DistributedManager.initialize() on CPU now fails differently than #1936; check it:\n" + result.stderr[-3000:]
+    )
+
+
+def test_1936_workaround_gives_a_gloo_group():
+    result = _run(
+        """
+        import datetime
+        import torch.distributed as dist
+        from physicsnemo.distributed import DistributedManager
+        from shardlab.workarounds import cpu_safe_process_group_init
+        with cpu_safe_process_group_init(datetime.timedelta(seconds=10)):
+            DistributedManager.initialize()
+        print("BACKEND", dist.get_backend())
+        """,
+        **_single_rank_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BACKEND gloo" in result.stdout
+
+
+def test_shard_ops_still_unregistered_on_cpu_upstream():
+    # torch.sum's handler is what register_custom_ops() adds (custom_ops/_reductions.py);
+    # checking the registry rather than a module name survives upstream file moves.
+    result = _run(
+        """
+        import torch
+        import physicsnemo.domain_parallel as dp
+        before = torch.sum in dp.ShardTensor._function_registry
+        from shardlab.workarounds import register_shard_ops_on_cpu
+        register_shard_ops_on_cpu()
+        after = torch.sum in dp.ShardTensor._function_registry
+        print("REGISTERED", before, after)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REGISTERED" in result.stdout, result.stdout
+    before, after = result.stdout.split("REGISTERED")[1].split()
+    assert before == "False", (
+        "upstream fixed physicsnemo.domain_parallel registering its custom ops only with CUDA: "
+        "delete register_shard_ops_on_cpu from shardlab/workarounds.py"
+    )
+    assert after == "True", "register_shard_ops_on_cpu() no longer registers the ShardTensor handler for torch.sum"
