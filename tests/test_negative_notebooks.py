@@ -32,7 +32,6 @@ def test_error_on_one_rank_fails_the_notebook(tmp_path, no_leftovers):
     code, out, _ = run_nbmake("fails_on_one_rank.ipynb", tmp_path)
     assert code == 1, f"nbmake did not fail a notebook whose rank 1 raised:\n{out[-3000:]}"
     assert "rank 1: ValueError: rank 1 fails on purpose" in out
-    assert "rank 0 is fine" in out  # the healthy rank's output is kept, labelled by rank
 
 
 def test_rank_skipping_a_collective_fails_within_the_timeout(tmp_path, no_leftovers):

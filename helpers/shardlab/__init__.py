@@ -1,11 +1,11 @@
 """shardlab: the helpers of the PhysicsNeMo distributed notebook series.
 
 Layers, each importing only the ones before it:
-launch -> cluster -> mesh -> measure -> report, with smoke (the CLI) on top.
+launch -> cluster -> mesh / data -> measure -> report / plot, with smoke (the CLI) on top.
 Notebooks import it once as ``import shardlab as sl``.
 """
 
-from . import cluster, launch, measure, mesh, report, smoke, workarounds
+from . import cluster, data, launch, measure, mesh, plot, report, smoke, workarounds
 from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
 from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
 from .mesh import MeshError, build_mesh, resolve_mesh_shape
@@ -13,6 +13,6 @@ from .report import Table, summarize_rank_errors
 
 __all__ = [
     "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
-    "build_mesh", "cluster", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure",
-    "mesh", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
+    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure",
+    "mesh", "plot", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
 ]

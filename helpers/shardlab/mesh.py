@@ -47,3 +47,21 @@ def build_mesh(ddp: int = -1, domain: int = 1):
     manager = DistributedManager()
     shape = resolve_mesh_shape(manager.world_size, ddp, domain)
     return manager.initialize_mesh(shape, MESH_AXES)
+
+
+def check_batch_per_domain_group(batch_size: int, domain_size: int) -> None:
+    """PhysicsNeMo's domain parallelism shards one sample per domain group: batch 1, scale on ddp."""
+    if domain_size > 1 and batch_size != 1:
+        raise MeshError(
+            f"batch size {batch_size} per domain group: with domain parallelism (domain size {domain_size}) each "
+            "domain group works on exactly one sample. Use batch 1 per domain group and scale the global "
+            "batch on the ddp axis (global batch = ddp size)."
+        )
+
+
+def require_1d(mesh, what: str = "this operation") -> None:
+    """Stop early when a 2-D mesh is passed where one axis is meant, naming the axis to pick."""
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        hint = " or ".join(f'mesh["{n}"]' for n in names) or "a 1-D sub-mesh"
+        raise MeshError(f"{what} needs a 1-D mesh, got {mesh.ndim}-D {tuple(names)}: pass {hint}.")

@@ -1,0 +1,217 @@
+"""The plot layer on synthetic inputs: what each figure draws, checked through its artists."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from matplotlib.collections import LineCollection
+from matplotlib.colors import to_rgba
+
+from shardlab import plot
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def _boxes(ax, prefix):
+    """Patches the plot layer tagged with a gid starting with prefix, by gid."""
+    return {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith(prefix)}
+
+
+def _texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def test_rank_colour_is_stable_and_distinct():
+    assert plot.rank_colour(2) == plot.rank_colour(2) == plot.rank_colour(12)
+    assert len({plot.rank_colour(r) for r in range(10)}) == 10
+
+
+def test_rank_grid_one_labelled_box_per_rank_rows_share_colour():
+    fig = plot.rank_grid([[0, 1], [2, 3]], colour_by="domain")
+    ax = fig.axes[0]
+    boxes = _boxes(ax, "rank ")
+    assert sorted(boxes) == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    texts = _texts(ax)
+    for r, coord in enumerate(["(0, 0)", "(0, 1)", "(1, 0)", "(1, 1)"]):
+        assert f"rank {r}" in texts and coord in texts
+    colour = {r: boxes[f"rank {r}"].get_facecolor() for r in range(4)}
+    assert colour[0] == colour[1] and colour[2] == colour[3]  # a domain group is one row
+    assert colour[0] != colour[2]
+    assert "domain group" in ax.get_title()
+    assert ax.get_xlabel() == "domain →" and ax.get_ylabel() == "ddp ↓"
+
+
+def test_rank_grid_ddp_colours_columns_and_row_0_is_on_top():
+    fig = plot.rank_grid([[0, 1, 2], [3, 4, 5]], colour_by="ddp")
+    ax = fig.axes[0]
+    boxes = _boxes(ax, "rank ")
+    colour = {r: boxes[f"rank {r}"].get_facecolor() for r in range(6)}
+    assert colour[0] == colour[3] and colour[1] == colour[4] and colour[2] == colour[5]
+    assert len({colour[0], colour[1], colour[2]}) == 3
+    assert boxes["rank 0"].get_y() < boxes["rank 3"].get_y() and ax.yaxis_inverted()
+    assert "ddp group" in ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[0] == "ddp group 0: ranks 0, 3"
+
+
+def test_rank_grid_accepts_a_flat_list_and_a_given_axes():
+    fig, ax = plt.subplots()
+    assert plot.rank_grid([0, 1, 2, 3], ax=ax) is fig
+    boxes = _boxes(ax, "rank ")
+    assert len(boxes) == 4 and len({b.get_facecolor() for b in boxes.values()}) == 1
+    with pytest.raises(ValueError, match="colour_by"):
+        plot.rank_grid([0, 1], colour_by="tensor")
+
+
+@pytest.mark.parametrize("height,n", [(64, 4), (65, 3), (10, 4), (7, 7), (3, 5), (0, 2), (1, 1)])
+def test_shard_bounds_matches_array_split(height, n):
+    bounds = plot.shard_bounds(height, n)
+    expected = [len(part) for part in np.array_split(np.arange(height), n)]
+    assert [stop - start for _, start, stop in bounds] == expected
+    assert [rank for rank, _, _ in bounds] == list(range(n))
+    assert bounds[0][1] == 0 and bounds[-1][2] == height
+    assert all(bounds[i][2] == bounds[i + 1][1] for i in range(n - 1))  # contiguous, no gaps
+
+
+def test_shard_bounds_rejects_no_ranks():
+    with pytest.raises(ValueError):
+        plot.shard_bounds(8, 0)
+
+
+@pytest.mark.parametrize("height,n,k", [(16, 4, 3), (16, 4, 5), (65, 3, 5), (10, 3, 3)])
+def test_halo_plan_takes_the_neighbours_adjacent_rows(height, n, k):
+    plan = plot.halo_plan(height, n, k)
+    halo = k // 2
+    assert [p["owned"] for p in plan] == [(s, e) for _, s, e in plot.shard_bounds(height, n)]
+    assert plan[0]["from_above"] is None and plan[-1]["from_below"] is None  # nothing beyond the global edges
+    for above, below in zip(plan, plan[1:]):
+        a_start, a_stop = above["owned"]
+        b_start, b_stop = below["owned"]
+        # The last k//2 rows of the rank above, and the first k//2 rows of the rank below.
+        assert below["from_above"] == (a_stop - halo, a_stop)
+        assert above["from_below"] == (b_start, b_start + halo)
+        assert a_start <= a_stop - halo and b_start + halo <= b_stop
+
+
+def test_halo_plan_edge_cases():
+    assert all(p["from_above"] is None and p["from_below"] is None for p in plot.halo_plan(16, 4, 1))
+    assert plot.halo_plan(16, 1, 5)[0] == {"rank": 0, "owned": (0, 16), "from_above": None, "from_below": None}
+    with pytest.raises(ValueError, match="rank 0 owns only 1 of 4 rows: use at most 2 ranks"):
+        plot.halo_plan(4, 4, 5)
+    with pytest.raises(ValueError, match="odd"):
+        plot.halo_plan(16, 4, 4)
+
+
+def test_halo_rows_draws_the_plan_in_sender_colours():
+    fig = plot.halo_rows(16, 4, kernel_sizes=(3, 5))
+    assert len(fig.axes) == 2
+    assert [ax.get_title() for ax in fig.axes] == ["3×3 kernel: 1 halo row per side", "5×5 kernel: 2 halo rows per side"]
+    for ax, k in zip(fig.axes, (3, 5)):
+        plan = plot.halo_plan(16, 4, k)
+        owned = _boxes(ax, "owned ")
+        for p in plan:
+            box = owned[f"owned {p['rank']}"]
+            assert (box.get_y(), box.get_y() + box.get_height()) == p["owned"]
+            assert box.get_facecolor() == plot.rank_colour(p["rank"])
+        halos = _boxes(ax, "halo ")
+        assert len(halos) == 2 * (4 - 1)  # one per interior side
+        for p in plan[1:]:
+            box = halos[f"halo {p['rank']}<-{p['rank'] - 1}"]
+            assert (box.get_y(), box.get_y() + box.get_height()) == p["from_above"]
+            assert box.get_hatch() and box.get_edgecolor() == plot.rank_colour(p["rank"] - 1)
+
+
+def test_shard_map_one_patch_per_non_empty_shard():
+    field = np.random.default_rng(0).standard_normal((65, 64))
+    bounds = [(0, 0, 22), (1, 22, 44), (2, 44, 65)]
+    shapes = {0: (22, 64), 1: (22, 64), 2: (21, 64)}
+    fig = plot.shard_map(field, bounds, local_shapes=shapes)
+    ax = fig.axes[0]
+    boxes = _boxes(ax, "rank ")
+    assert sorted(boxes) == ["rank 0", "rank 1", "rank 2"]
+    for rank, start, stop in bounds:
+        box = boxes[f"rank {rank}"]
+        assert (box.get_y() + 0.5, box.get_y() + 0.5 + box.get_height()) == (start, stop)
+        assert (box.get_x(), box.get_width()) == (-0.5, 64)
+        assert box.get_edgecolor() == plot.rank_colour(rank)
+    assert "rank 2 · local (21, 64)" in _texts(ax)
+    assert ax.images[0].get_array().shape == (65, 64)
+
+
+def test_shard_map_columns_and_an_empty_shard():
+    field = np.zeros((8, 3))
+    bounds = plot.shard_bounds(3, 4)  # rank 3 gets no column
+    fig = plot.shard_map(field, bounds, dim=1)
+    ax = fig.axes[0]
+    boxes = _boxes(ax, "rank ")
+    assert sorted(boxes) == ["rank 0", "rank 1", "rank 2"]
+    assert (boxes["rank 1"].get_x() + 0.5, boxes["rank 1"].get_width(), boxes["rank 1"].get_height()) == (1, 1, 8)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "rank 3: empty (columns 3:3)" in legend
+    with pytest.raises(ValueError, match="rank 0"):
+        plot.shard_map(field, [(0, 0, 9)], dim=1)
+
+
+def test_memory_bars_stack_to_the_totals_with_ideal_marks():
+    kib = 1024
+    per_rank = {
+        "rank 0": {"parameters": 1 * kib, "gradients": 1 * kib, "optimizer": 2 * kib, "activations": 4 * kib},
+        "rank 1": {"parameters": 1 * kib, "gradients": 1 * kib, "optimizer": 2 * kib, "activations": 6 * kib},
+        "rank 2": {"parameters": 1 * kib, "activations": 2 * kib, "buffers": 3 * kib},
+    }
+    fig = plot.memory_bars(per_rank, ideal={"rank 0": 8 * kib, "rank 1": 8 * kib, "rank 2": 8 * kib})
+    ax = fig.axes[0]
+    bars = ax.patches
+    assert len(bars) == 3 * 5  # 3 labels × 5 categories (missing ones stacked as 0)
+    totals = {}
+    for bar in bars:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        totals[x] = totals.get(x, 0) + bar.get_height()
+    assert totals == {0: 8, 1: 10, 2: 6}  # in KiB
+    # Same category, same colour on every bar; categories in order of first appearance.
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["buffers", "activations", "optimizer", "gradients", "parameters", "ideal"]
+    assert bars[0].get_facecolor() == bars[1].get_facecolor() != bars[3].get_facecolor()
+    marks = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(marks) == 1
+    assert [seg[0][1] for seg in marks[0].get_segments()] == [8, 8, 8]
+    assert ax.get_ylabel() == "bytes (KiB)"
+    assert {"8", "10", "6"} <= set(_texts(ax))
+
+
+def test_memory_bars_units_and_no_ideal():
+    fig = plot.memory_bars({"a": {"x": 3 * 1024**2}}, unit="MiB")
+    ax = fig.axes[0]
+    assert ax.patches[0].get_height() == 3 and not ax.collections
+    with pytest.raises(ValueError, match="unit"):
+        plot.memory_bars({"a": {"x": 1}}, unit="kb")
+
+
+def test_ratio_curve_draws_measured_and_ideal():
+    sizes, measured, ideal = [1, 2, 4], [1.0, 0.5312, 0.2884], [1.0, 0.5, 0.25]
+    fig = plot.ratio_curve(sizes, measured, ideal)
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"measured", "ideal"}
+    assert list(lines["measured"].get_xdata()) == sizes and list(lines["measured"].get_ydata()) == measured
+    assert list(lines["ideal"].get_ydata()) == ideal
+    assert list(ax.get_xticks()) == sizes
+    assert [t.get_text() for t in ax.texts] == ["1.000", "0.531", "0.288"]
+    with pytest.raises(ValueError, match="length"):
+        plot.ratio_curve([1, 2], [1.0], [1.0, 0.5])
+
+
+def test_figures_render_and_use_the_given_axes():
+    fig, axes = plt.subplots(1, 2)
+    assert plot.halo_rows(8, 2, kernel_sizes=(3, 5), ax=axes) is fig
+    assert plot.memory_bars({"r": {"a": 1}}, ax=axes[0]) is fig
+    for f in (fig, plot.rank_grid([[0, 1], [2, 3]]), plot.shard_map(np.ones((4, 4)), plot.shard_bounds(4, 2))):
+        f.canvas.draw()  # the whole artist tree renders under Agg
+    assert to_rgba(plot.rank_colour(0)) == plot.rank_colour(0)
