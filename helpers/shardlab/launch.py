@@ -187,6 +187,9 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
 
     from . import workarounds
 
+    # PhysicsNeMo 2.2.2 calls a torch collective that torch 2.14 deprecates; the warning would
+    # print on every rank for every redistribute and says nothing a learner can act on.
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated", category=FutureWarning)
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     info = detect_launch()

@@ -88,26 +88,17 @@ def check_sync(mesh, device) -> dict:
     import torch.distributed as dist
     from physicsnemo.domain_parallel import sync_module_over_mesh
 
+    from .measure import max_diff_to_source
+
     torch.manual_seed(dist.get_rank())  # deliberately different on every rank
     module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).to(device)
     with torch.no_grad():
         module[1].running_mean.uniform_()  # a buffer, also different per rank
     group = mesh["domain"].get_group()
     src = _domain_source(mesh)
-
-    def max_diff_to_source() -> float:
-        worst = 0.0
-        for t in [*module.parameters(), *module.buffers()]:
-            ref = t.detach().clone()
-            dist.broadcast(ref, src=src, group=group)
-            worst = max(worst, (t.detach().float() - ref.float()).abs().max().item())
-        worst = torch.tensor([worst], device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # the group's answer, not this rank's
-        return worst.item()
-
-    before = max_diff_to_source()
+    before = max_diff_to_source(module, group, src)
     sync_module_over_mesh(module, mesh["domain"])
-    after = max_diff_to_source()
+    after = max_diff_to_source(module, group, src)
     domain_size = mesh["domain"].size()
     # With one rank per domain group there is nothing to differ; otherwise the check must see a change.
     return {"ok": after == 0.0 and (before > 0.0 or domain_size == 1), "max_diff_before": before, "max_diff_after": after}

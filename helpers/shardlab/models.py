@@ -1,0 +1,20 @@
+"""Small models for the series: sized so four CPU ranks train them in seconds.
+
+Introduced in ``notebooks/04_domain_parallel_ops.ipynb``.
+"""
+
+from __future__ import annotations
+
+
+def conv_stack(width: int = 16, layers: int = 3, kernel_size: int = 3, seed: int = 0):
+    """Conv2d → GELU → … → Conv2d, 1 channel in and out, 'same' padding: a minimal field-to-field surrogate."""
+    import torch
+
+    torch.manual_seed(seed)
+    channels = [1] + [width] * (layers - 1) + [1]
+    blocks = []
+    for i, (c_in, c_out) in enumerate(zip(channels, channels[1:])):
+        blocks.append(torch.nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2))
+        if i < layers - 1:
+            blocks.append(torch.nn.GELU())
+    return torch.nn.Sequential(*blocks)
