@@ -5,7 +5,7 @@ launch -> cluster -> mesh / data -> measure -> report / plot, with smoke (the CL
 Notebooks import it once as ``import shardlab as sl``.
 """
 
-from . import cluster, data, launch, measure, mesh, plot, report, smoke, workarounds
+from . import cluster, data, launch, measure, mesh, models, plot, report, smoke, workarounds
 from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
 from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
 from .mesh import MeshError, build_mesh, resolve_mesh_shape
@@ -13,6 +13,6 @@ from .report import Table, summarize_rank_errors
 
 __all__ = [
     "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
-    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure",
+    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure", "models",
     "mesh", "plot", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
 ]

@@ -289,12 +289,13 @@ def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None):
     return fig
 
 
-def ratio_curve(sizes, measured, ideal, xlabel="domain ranks N", ylabel="bytes per rank / bytes on 1 rank", ax=None):
+def ratio_curve(sizes, measured, ideal, xlabel="domain ranks N", ylabel="bytes per rank / bytes on 1 rank", ax=None,
+                ideal_label="ideal"):
     """Measured against ideal ratios over mesh sizes, each measured point labelled with its value."""
     if not len(sizes) == len(measured) == len(ideal):
         raise ValueError(f"sizes, measured and ideal differ in length: {len(sizes)}, {len(measured)}, {len(ideal)}.")
     fig, ax = _figure_and_axes(ax, (5.5, 4.0))
-    ax.plot(sizes, ideal, "s--", color="black", markersize=5, label="ideal")
+    ax.plot(sizes, ideal, "s--", color="black", markersize=5, label=ideal_label)
     ax.plot(sizes, measured, "o-", color="tab:purple", markersize=6, label="measured")
     for i, (size, value) in enumerate(zip(sizes, measured)):
         # Up and to the right, clear of a falling curve; the last point centred so it stays inside the axes.
