@@ -1,8 +1,10 @@
-"""resolve_mesh_shape: shapes are checked, and explained, before torch sees them."""
+"""Mesh rules: shapes, the batch rule and 1-D checks are explained before torch sees them."""
+
+from types import SimpleNamespace
 
 import pytest
 
-from shardlab.mesh import MeshError, resolve_mesh_shape
+from shardlab.mesh import MeshError, check_batch_per_domain_group, require_1d, resolve_mesh_shape
 
 
 @pytest.mark.parametrize(
@@ -40,3 +42,20 @@ def test_defaults_are_pure_data_parallel():
 def test_bad_shapes_say_what_to_change(world, ddp, domain, match):
     with pytest.raises(MeshError, match=match):
         resolve_mesh_shape(world, ddp, domain)
+
+
+def test_batch_rule_allows_one_sample_per_domain_group():
+    check_batch_per_domain_group(batch_size=1, domain_size=4)
+    check_batch_per_domain_group(batch_size=8, domain_size=1)  # no domain parallelism: any batch
+
+
+def test_batch_rule_says_to_scale_on_ddp():
+    with pytest.raises(MeshError, match=r"batch size 2 per domain group.*ddp axis"):
+        check_batch_per_domain_group(batch_size=2, domain_size=2)
+
+
+def test_two_d_mesh_where_one_axis_is_needed_names_the_axes():
+    two_d = SimpleNamespace(ndim=2, mesh_dim_names=("ddp", "domain"))
+    with pytest.raises(MeshError, match=r'needs a 1-D mesh.*mesh\["ddp"\] or mesh\["domain"\]'):
+        require_1d(two_d, "sync")
+    require_1d(SimpleNamespace(ndim=1, mesh_dim_names=("domain",)))

@@ -5,14 +5,25 @@ launch -> cluster -> mesh / data -> measure -> report / plot, with smoke (the CL
 Notebooks import it once as ``import shardlab as sl``.
 """
 
-from . import cluster, data, launch, measure, mesh, models, plot, report, smoke, workarounds
+from . import cluster, data, launch, mesh, models, plot, report, workarounds
 from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
 from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
 from .mesh import MeshError, build_mesh, resolve_mesh_shape
 from .report import Table, summarize_rank_errors
 
+_COMMANDS = ("measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
+
+
+def __getattr__(name):
+    if name in _COMMANDS:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
+
+
 __all__ = [
     "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
-    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure", "models",
-    "mesh", "plot", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
+    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes", "measure",
+    "models", "mesh", "plot", "report", "resolve_mesh_shape", "smoke", "start_cluster", "summarize_rank_errors", "workarounds",
 ]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .cluster import find_mpiexec, mpi_arguments, mpi_environment
 
@@ -151,3 +152,74 @@ def max_diff_to_source(module, group, src: int) -> float:
     worst = torch.tensor([worst], device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return worst.item()
+
+
+def _activation_report(args) -> dict:
+    import torch.distributed as dist
+
+    from .data import load_darcy
+    from .launch import init_distributed
+    from .models import conv_stack
+
+    state = init_distributed(args.timeout)
+    field = load_darcy(samples=1)["permeability"].to(state.device)
+    model = conv_stack(width=args.width, layers=args.layers, kernel_size=args.kernel_size).to(state.device)
+    mine = activation_bytes_by_domain_size(model, field, sizes=args.sizes)
+    everyone = [None] * state.world_size
+    dist.all_gather_object(everyone, mine)
+    height = field.shape[2]
+    rows = []
+    base = max(r[1] for r in everyone) if 1 in args.sizes else None
+    for n in args.sizes:
+        largest = max(r[n] for r in everyone)
+        ratio = largest / base if base else float("nan")
+        ideal = ideal_activation_ratio(n, height, args.kernel_size)
+        rows.append({"N": n, "bytes_max_rank": largest, "ratio": ratio, "ideal_halo": ideal, "ideal_1_over_N": 1 / n,
+                     "ratio_over_ideal": ratio / ideal})
+    return {"rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "model": f"conv_stack(width={args.width}, layers={args.layers}, kernel_size={args.kernel_size})",
+            "field": list(field.shape), "rows": rows}
+
+
+def main(argv=None) -> int:
+    """``python -m shardlab.measure activation-memory``: activation bytes per rank for N = 1, 2, 4, one table."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m shardlab.measure", description=main.__doc__)
+    parser.add_argument("what", choices=["activation-memory"])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4], help="domain sizes (default 1 2 4)")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--kernel-size", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--json", help="also write the table as JSON to this file")
+    args = parser.parse_args(argv)
+
+    from .launch import detect_launch
+
+    if detect_launch().launcher == "none":
+        # Not under a launcher: start one rank per slot of the largest domain size, same arguments.
+        n = max(args.sizes)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "shardlab.measure", *argv]
+        return subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600).returncode
+
+    report = _activation_report(args)
+    if report["rank"] == 0:
+        print(f"# activation memory per rank: bytes saved for backward by {report['model']} on a "
+              f"{'x'.join(map(str, report['field']))} Darcy field, fp32")
+        print(f"# {report['world_size']} ranks, backend {report['backend']}, device {report['device']}; "
+              "ratio = largest rank's bytes at N / at N=1")
+        print(f"{'N':>3} {'bytes_max_rank':>15} {'ratio':>8} {'ideal_1/N+halo':>15} {'ideal_1/N':>10} {'ratio/ideal':>12}")
+        for r in report["rows"]:
+            print(f"{r['N']:>3} {r['bytes_max_rank']:>15} {r['ratio']:>8.4f} {r['ideal_halo']:>15.4f} "
+                  f"{r['ideal_1_over_N']:>10.4f} {r['ratio_over_ideal']:>12.4f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
