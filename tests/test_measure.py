@@ -45,5 +45,5 @@ def test_activation_memory_script_on_four_ranks(tmp_path, no_leftovers):
     rows = {r["N"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows[1]["ratio"] == 1.0
     for n in (2, 4):
-        assert abs(rows[n]["ratio_over_ideal"] - 1) <= 0.10, rows[n]
+        assert abs(rows[n]["ratio/ideal"] - 1) <= 0.10, rows[n]
         assert rows[n]["ratio"] < rows[n // 2]["ratio"]

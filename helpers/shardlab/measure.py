@@ -154,9 +154,16 @@ def max_diff_to_source(module, group, src: int) -> float:
     return worst.item()
 
 
-def _activation_report(args) -> dict:
+def _gather_rows(rows: dict) -> list[dict]:
     import torch.distributed as dist
 
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    return everyone
+
+
+def activation_memory_table(args) -> dict:
+    """Bytes saved for backward on the largest rank, for each domain size, against 1/N + halo."""
     from .data import load_darcy
     from .launch import init_distributed
     from .models import conv_stack
@@ -164,58 +171,137 @@ def _activation_report(args) -> dict:
     state = init_distributed(args.timeout)
     field = load_darcy(samples=1)["permeability"].to(state.device)
     model = conv_stack(width=args.width, layers=args.layers, kernel_size=args.kernel_size).to(state.device)
-    mine = activation_bytes_by_domain_size(model, field, sizes=args.sizes)
-    everyone = [None] * state.world_size
-    dist.all_gather_object(everyone, mine)
-    height = field.shape[2]
+    everyone = _gather_rows(activation_bytes_by_domain_size(model, field, sizes=args.sizes))
+    base = max(r[args.sizes[0]] for r in everyone)
     rows = []
-    base = max(r[1] for r in everyone) if 1 in args.sizes else None
     for n in args.sizes:
         largest = max(r[n] for r in everyone)
-        ratio = largest / base if base else float("nan")
-        ideal = ideal_activation_ratio(n, height, args.kernel_size)
-        rows.append({"N": n, "bytes_max_rank": largest, "ratio": ratio, "ideal_halo": ideal, "ideal_1_over_N": 1 / n,
-                     "ratio_over_ideal": ratio / ideal})
-    return {"rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
-            "model": f"conv_stack(width={args.width}, layers={args.layers}, kernel_size={args.kernel_size})",
-            "field": list(field.shape), "rows": rows}
+        ideal = ideal_activation_ratio(n, field.shape[2], args.kernel_size) / ideal_activation_ratio(
+            args.sizes[0], field.shape[2], args.kernel_size)
+        rows.append({"N": n, "bytes_max_rank": largest, "ratio": largest / base, "ideal_1/N+halo": ideal,
+                     "ideal_1/N": args.sizes[0] / n, "ratio/ideal": largest / base / ideal})
+    return {"title": f"activation memory per rank: bytes saved for backward by conv_stack(width={args.width}, "
+                     f"layers={args.layers}, kernel_size={args.kernel_size}) on a 1x1x64x64 Darcy field, fp32; "
+                     f"ratio = largest rank's bytes at N / at N={args.sizes[0]}",
+            "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "rows": rows}
+
+
+def state_memory_table(args) -> dict:
+    """Parameters + gradients + Adam state per rank, FSDP2 over DDP, for each ddp size."""
+    from .launch import init_distributed
+    from .mesh import build_mesh
+    from .models import conv_stack
+    from .train import state_bytes, train
+
+    state = init_distributed(args.timeout)
+    rows = []
+    for ddp in args.sizes:
+        mesh = build_mesh(ddp=ddp, domain=-1)
+        mine = {}
+        for how in ("ddp", "fsdp2"):
+            run = train(conv_stack(width=args.width, layers=args.layers, seed=0).to(state.device), mesh, how, steps=2)
+            mine[how] = sum(state_bytes(run.model, run.optimizer).values())
+        everyone = _gather_rows(mine)
+        ddp_bytes, fsdp_bytes = (max(r[k] for r in everyone) for k in ("ddp", "fsdp2"))
+        rows.append({"ddp_size": ddp, "DDP_bytes_max_rank": ddp_bytes, "FSDP2_bytes_max_rank": fsdp_bytes,
+                     "FSDP2/DDP": fsdp_bytes / ddp_bytes, "ideal_1/ddp": 1 / ddp,
+                     "ratio/ideal": fsdp_bytes / ddp_bytes * ddp})
+    return {"title": f"parameters + gradients + Adam state per rank (local shards), conv_stack(width={args.width}, "
+                     f"layers={args.layers}); FSDP2 on the ddp mesh vs DDP, domain = world / ddp",
+            "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "rows": rows}
+
+
+def compile_speed_table(args) -> dict:
+    """One process: compiled / eager forward+backward step time of a conv stack, interleaved repeats."""
+    import torch
+
+    from .models import conv_stack
+
+    model = conv_stack(width=args.width, layers=args.layers, seed=0)
+    compiled = torch.compile(conv_stack(width=args.width, layers=args.layers, seed=0), dynamic=False)
+    x = torch.randn(1, 1, 64, 64)
+
+    def step(m) -> float:
+        t0 = time.perf_counter()
+        m(x).square().mean().backward()
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    step(compiled)
+    compile_s = time.perf_counter() - t0
+    step(model)
+    eager, comp = [], []
+    for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both alike
+        eager.append(step(model))
+        comp.append(step(compiled))
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    rows = [{"eager_step_s": med(eager), "compiled_step_s": med(comp), "compiled/eager": med(comp) / med(eager),
+             "first_call_s": compile_s, "repeats": args.repeats}]
+    return {"title": f"compile speed, one process, conv_stack(width={args.width}, layers={args.layers}) on 1x1x64x64, "
+                     f"forward+backward, median of interleaved repeats; CPU timing, not a GPU claim",
+            "rank": 0, "world_size": 1, "backend": None, "device": "cpu", "rows": rows}
+
+
+TABLES = {
+    "activation-memory": (activation_memory_table, 4, {"sizes": [1, 2, 4], "width": 16, "layers": 3}),
+    "state-memory": (state_memory_table, 4, {"sizes": [1, 2, 4], "width": 64, "layers": 4}),
+    "compile-speed": (compile_speed_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
+}
+
+
+def format_table(report: dict) -> str:
+    """A stable plain-text table: a comment line, a header, one fixed-width line per row."""
+    rows = report["rows"]
+    cols = list(rows[0])
+    cell = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = [max(len(c), *(len(cell(r[c])) for r in rows)) for c in cols]
+    lines = [f"# {report['title']}",
+             f"# {report['world_size']} rank(s), backend {report['backend']}, device {report['device']}",
+             "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(cell(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    """``python -m shardlab.measure activation-memory``: activation bytes per rank for N = 1, 2, 4, one table."""
+    """Print one measurement as a stable table: ``python -m shardlab.measure {activation-memory,state-memory,compile-speed}``."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m shardlab.measure", description=main.__doc__)
-    parser.add_argument("what", choices=["activation-memory"])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4], help="domain sizes (default 1 2 4)")
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("what", choices=[*TABLES, "all"], help="one table, or all of them in one run")
+    parser.add_argument("--sizes", type=int, nargs="+", help="domain sizes (activation-memory) or ddp sizes (state-memory)")
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--layers", type=int)
     parser.add_argument("--kernel-size", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9, help="compile-speed: timed steps of each kind")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--json", help="also write the table as JSON to this file")
     args = parser.parse_args(argv)
+    if args.what == "all":
+        codes = []
+        for what in TABLES:  # one after the other, so they do not compete for the cores
+            codes.append(subprocess.run([sys.executable, "-m", "shardlab.measure", what], timeout=900).returncode)
+            print(flush=True)
+        return max(codes)
+    table, ranks, defaults = TABLES[args.what]
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     from .launch import detect_launch
 
-    if detect_launch().launcher == "none":
-        # Not under a launcher: start one rank per slot of the largest domain size, same arguments.
-        n = max(args.sizes)
+    if ranks > 1 and detect_launch().launcher == "none":
+        # Not under a launcher: start the ranks this table needs, with the same arguments.
         argv = sys.argv[1:] if argv is None else list(argv)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(ranks, *args.sizes)}",
                "-m", "shardlab.measure", *argv]
-        return subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600).returncode
+        return subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=900).returncode
 
-    report = _activation_report(args)
+    report = table(args)
     if report["rank"] == 0:
-        print(f"# activation memory per rank: bytes saved for backward by {report['model']} on a "
-              f"{'x'.join(map(str, report['field']))} Darcy field, fp32")
-        print(f"# {report['world_size']} ranks, backend {report['backend']}, device {report['device']}; "
-              "ratio = largest rank's bytes at N / at N=1")
-        print(f"{'N':>3} {'bytes_max_rank':>15} {'ratio':>8} {'ideal_1/N+halo':>15} {'ideal_1/N':>10} {'ratio/ideal':>12}")
-        for r in report["rows"]:
-            print(f"{r['N']:>3} {r['bytes_max_rank']:>15} {r['ratio']:>8.4f} {r['ideal_halo']:>15.4f} "
-                  f"{r['ideal_1_over_N']:>10.4f} {r['ratio_over_ideal']:>12.4f}")
+        print(format_table(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
