@@ -316,11 +316,16 @@ class MPICluster:
             raise ClusterError(f"rank(s) {pending} did not {what} within {timeout_s:.0f} s.")
         return async_result.get()
 
+    def run(self, code: str, timeout_s: float = 120.0, what: str = "finish the code"):
+        """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
+        return self.wait(self.view.execute(code, block=False), timeout_s, what)
+
     def activate(self, progress: bool = False) -> "MPICluster":
         """Make ``%%px`` run on every rank, blocking, with output grouped by rank."""
         from IPython import get_ipython
 
         ip = get_ipython()
+        self._activated = {"progress": progress}
         if ip is None:
             return self
         self.view.block = True
@@ -330,6 +335,18 @@ class MPICluster:
 
         install_rank_error_summary(ip, self)
         return self
+
+    def restart(self) -> "MPICluster":
+        """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
+        the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
+        activated = getattr(self, "_activated", None)
+        self.stop()
+        self.cluster_id = f"shardlab-{uuid.uuid4().hex[:8]}"
+        self._record_file = REGISTRY / f"{self.cluster_id}.json"
+        self.master_port = free_port()
+        self.timings = {}
+        self.start()
+        return self.activate(**activated) if activated is not None else self
 
     def alive_processes(self) -> list[int]:
         """PIDs of this cluster's engines, controller and mpiexec that are still running."""

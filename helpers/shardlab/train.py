@@ -56,6 +56,78 @@ def average_gradients_by_hand(model, group) -> None:
             p.grad /= size
 
 
+class Trainer:
+    """A surrogate training on a (ddp, domain) mesh one step at a time; rank-local state, same calls on every rank.
+
+    Step s gives ddp replica i the sample s * ddp_size + i, scattered over its domain group
+    (batch 1 per domain group); ``step()`` returns the global mean loss, identical on every rank.
+    """
+
+    def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None):
+        import torch
+        import torch.distributed as dist
+
+        self.mesh, self.how = mesh, how
+        self.inputs, self.targets = samples if samples is not None else normalized_darcy()
+        self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
+        self.src = dist.get_global_rank(mesh["domain"].get_group(), 0)
+        self.model = wrap(model, mesh, how)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.steps_done = 0
+        self.losses: list[float] = []
+
+    def batch(self, step: int):
+        """This rank's (input, target) for a step: a domain-sharded ShardTensor when domain > 1."""
+        from physicsnemo.domain_parallel import scatter_tensor
+        from torch.distributed.tensor import Shard
+
+        i = step * self.ddp_size + self.replica
+        if i >= len(self.inputs):
+            raise ValueError(f"step {step} × ddp size {self.ddp_size} needs sample {i}; there are {len(self.inputs)}.")
+        x, y = self.inputs[i : i + 1], self.targets[i : i + 1]
+        if self.mesh["domain"].size() > 1:
+            x = scatter_tensor(x, self.src, self.mesh["domain"], (Shard(2),))
+            y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
+        return x, y
+
+    def step(self) -> float:
+        import torch.distributed as dist
+
+        x, y = self.batch(self.steps_done)
+        loss = ((self.model(x) - y) ** 2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        if self.how == "none" and self.ddp_size > 1:
+            average_gradients_by_hand(self.model, self.mesh["ddp"].get_group())
+        self.optimizer.step()
+        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        value = value.detach().reshape(1).clone()
+        dist.all_reduce(value, group=self.mesh["ddp"].get_group())
+        self.steps_done += 1
+        self.losses.append(value.item() / self.ddp_size)
+        return self.losses[-1]
+
+    def full_state(self) -> dict:
+        """Model and optimizer state gathered in full (FSDP2 shards included) on every rank, plus the step."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(self.model, options=options),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+                "steps_done": self.steps_done, "losses": list(self.losses), "how": self.how}
+
+    def load_full_state(self, state: dict) -> None:
+        """Inverse of ``full_state``: every rank passes the same full state; shards are cut as needed."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.steps_done, self.losses = state["steps_done"], list(state["losses"])
+
+
 @dataclass
 class Run:
     """What ``train`` leaves behind: the loss per step and the wrapped model with its optimizer."""
@@ -65,45 +137,33 @@ class Run:
     optimizer: object
 
 
-def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None, on_step=None) -> Run:
-    """Train on the mesh; ``.losses`` is the global mean loss per step (identical on every rank).
+def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None) -> Run:
+    """Train ``steps`` steps on the mesh with a ``Trainer``; ``.losses`` is the global mean loss per step."""
+    trainer = Trainer(model, mesh, how, lr=lr, samples=samples)
+    for _ in range(steps):
+        trainer.step()
+    return Run(trainer.losses, trainer.model, trainer.optimizer)
 
-    Step s gives ddp replica i the sample s * ddp_size + i, scattered over its domain group
-    (batch 1 per domain group). ``on_step(step, loss)`` is called after each step.
-    """
+
+def save_checkpoint(trainer: Trainer, path) -> None:
+    """Gather the full state (a collective: every rank calls it); rank 0 alone writes one file."""
     import torch
     import torch.distributed as dist
-    from physicsnemo.domain_parallel import scatter_tensor
-    from torch.distributed.tensor import Shard
 
-    inputs, targets = samples if samples is not None else normalized_darcy()
-    ddp_size, replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
-    if (steps - 1) * ddp_size + replica >= len(inputs):
-        raise ValueError(f"{steps} steps × ddp size {ddp_size} need {steps * ddp_size} samples; there are {len(inputs)}.")
-    domain_group = mesh["domain"].get_group()
-    src = dist.get_global_rank(domain_group, 0)
-    wrapped = wrap(model, mesh, how)
-    optimizer = torch.optim.Adam(wrapped.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        i = step * ddp_size + replica
-        x, y = inputs[i : i + 1], targets[i : i + 1]
-        if mesh["domain"].size() > 1:
-            x = scatter_tensor(x, src, mesh["domain"], (Shard(2),))
-            y = scatter_tensor(y, src, mesh["domain"], (Shard(2),))
-        loss = ((wrapped(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        if how == "none" and ddp_size > 1:
-            average_gradients_by_hand(model, mesh["ddp"].get_group())
-        optimizer.step()
-        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        value = value.detach().reshape(1).clone()
-        dist.all_reduce(value, group=mesh["ddp"].get_group())
-        losses.append(value.item() / ddp_size)
-        if on_step:
-            on_step(step, losses[-1])
-    return Run(losses, wrapped, optimizer)
+    state = trainer.full_state()
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    dist.barrier()  # nobody reads the file before it is complete
+
+
+def load_checkpoint(trainer: Trainer, path) -> None:
+    """Rank 0 reads the file and broadcasts it; every rank loads the same full state."""
+    import torch
+    import torch.distributed as dist
+
+    box = [torch.load(path, weights_only=False) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    trainer.load_full_state(box[0])
 
 
 def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None) -> list[float]:
