@@ -5,13 +5,16 @@ VENV   ?= .venv
 KERNEL := shardlab
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test env clean-env
+.PHONY: lab test handout env clean-env
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+handout: $(STAMP)
+	$(VENV)/bin/python -m shardlab.handout notebooks build/handout
 
 env: $(STAMP)
 

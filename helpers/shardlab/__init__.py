@@ -5,13 +5,13 @@ launch -> cluster -> mesh / data -> measure -> report / plot, with smoke (the CL
 Notebooks import it once as ``import shardlab as sl``.
 """
 
-from . import cluster, data, launch, mesh, models, plot, report, train, workarounds
+from . import check, cluster, data, launch, mesh, models, plot, report, train, workarounds
 from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
 from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
 from .mesh import MeshError, build_mesh, resolve_mesh_shape
 from .report import Table, summarize_rank_errors
 
-_COMMANDS = ("measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
+_COMMANDS = ("handout", "measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
 
 
 def __getattr__(name):
@@ -24,7 +24,7 @@ def __getattr__(name):
 
 __all__ = [
     "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
-    "build_mesh", "cluster", "data", "detect_launch", "init_distributed", "launch", "leftover_processes",
-    "measure", "mesh", "models", "plot", "report", "resolve_mesh_shape", "smoke", "start_cluster",
-    "summarize_rank_errors", "train", "workarounds",
+    "build_mesh", "check", "cluster", "data", "detect_launch", "handout", "init_distributed", "launch",
+    "leftover_processes", "measure", "mesh", "models", "plot", "report", "resolve_mesh_shape", "smoke",
+    "start_cluster", "summarize_rank_errors", "train", "workarounds",
 ]

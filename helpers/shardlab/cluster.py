@@ -242,6 +242,10 @@ class MPICluster:
         cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
         cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"}
 
+        if self.engines == "mpi" and self.n > self.cores:
+            print(f"Starting {self.n} ranks on {self.cores} CPU cores: MPI refuses more ranks than cores unless "
+                  "told to oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are "
+                  "unaffected, timings are slower and say nothing about speed on real hardware.")
         t0 = time.perf_counter()
         atexit.register(self.stop)
         try:
