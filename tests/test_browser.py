@@ -4,6 +4,7 @@ nbmake proves the notebook's code; this proves the series works in the UI people
 from the notebook's metadata, `%%px` cells finish in the browser, and the per-rank table renders as HTML.
 """
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -35,12 +36,13 @@ def test_01_launchers_runs_in_jupyterlab(tmp_path, no_leftovers):
     shutil.copy(REPO / "notebooks" / NOTEBOOK, tmp_path)  # outputs land in the copy; the committed notebook stays clean
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "01_launchers_lab.png"
-    screenshot.unlink(missing_ok=True)
+    for old in ARTIFACTS.glob("01_launchers_*"):
+        old.unlink()
 
     with lab_server(tmp_path, ARTIFACTS / "01_launchers_lab.server.log") as (base, token, api), sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1200})
         try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1200})
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
 
             # The notebook names its kernel; a kernel picker only appears if that kernel is unknown to the server.
@@ -79,6 +81,10 @@ def test_01_launchers_runs_in_jupyterlab(tmp_path, no_leftovers):
             table.evaluate("t => t.closest('.jp-Cell').scrollIntoView({block: 'center'})")
             page.screenshot(path=screenshot)
             table.screenshot(path=ARTIFACTS / "01_launchers_states_table.png")
+        except Exception:
+            with contextlib.suppress(Exception):  # what the UI showed when it failed, for CI's artifacts
+                page.screenshot(path=ARTIFACTS / "01_launchers_lab.failure.png")
+            raise
         finally:
             browser.close()
 

@@ -63,3 +63,17 @@ def test_table_explicit_columns():
 
 def test_table_missing_cell_is_blank():
     assert "None" not in str(Table([{"a": 1}, {"b": 2}], columns=["a", "b"]))
+
+
+def test_dead_engine_error_is_attributed_to_its_rank():
+    from types import SimpleNamespace
+
+    from shardlab.report import _composite_errors
+
+    dead = SimpleNamespace(elist=[("EngineError", "Engine 1 died while running task 'abc'", "", {})])
+    assert _composite_errors(dead) == [(1, "EngineError", "Engine 1 died while running task 'abc'")]
+
+
+def test_gloo_source_prefix_is_dropped():
+    message = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
+    assert summarize_rank_errors([(0, "RuntimeError", message)], [0])[0] == "rank 0: RuntimeError: Timed out waiting 10000ms"

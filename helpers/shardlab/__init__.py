@@ -11,7 +11,7 @@ from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, in
 from .mesh import MeshError, build_mesh, resolve_mesh_shape
 from .report import Table, summarize_rank_errors
 
-_COMMANDS = ("handout", "measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
+_COMMANDS = ("bench", "handout", "measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
 
 
 def __getattr__(name):

@@ -10,6 +10,7 @@ import re
 from tabulate import tabulate
 
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(cc|cpp|h):\d+\] ")
 
 
 class Table:
@@ -40,6 +41,7 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) 
     timed_out = []
     for rank, name, message in sorted(errors):
         first = next(iter((message or "").strip().splitlines()), "")
+        first = _SOURCE_PREFIX.sub("", first)  # gloo prefixes its C++ file and line: noise for a learner
         lines.append(f"rank {rank}: {name}: {first[:200]}")
         if _TIMEOUT.search(f"{name} {message}"):
             timed_out.append(rank)
@@ -57,7 +59,14 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) 
 
 def _composite_errors(error) -> list[tuple[int, str, str]]:
     original = getattr(error, "original_error", error)  # AlreadyDisplayedError wraps the composite one
-    return [(info.get("engine_id", -1), name, str(value)) for name, value, _tb, info in original.elist]
+    out = []
+    for name, value, _tb, info in original.elist:
+        rank = info.get("engine_id")
+        if rank is None:  # a dead engine's error carries no engine id, only its message
+            died = re.search(r"Engine (\d+) died", str(value))
+            rank = int(died.group(1)) if died else -1
+        out.append((rank, name, str(value)))
+    return out
 
 
 def install_rank_error_summary(ip, cluster) -> None:
