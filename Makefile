@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: lab test handout env clean-env
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest

@@ -34,6 +34,12 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
         for path in connection_files:
             assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
             assert json.loads(path.read_text()).get("curve_serverkey"), "CurveZMQ is off"
+            assert json.loads(path.read_text())["interface"] == "tcp://127.0.0.1"
+        # And the controller really listens on loopback only, whatever its files say.
+        controller = psutil.Process(cluster._cluster.controller.process.pid)
+        listening = [c.laddr.ip for p in [controller, *controller.children(recursive=True)]
+                     for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        assert listening and set(listening) == {"127.0.0.1"}, listening
         pids = cluster.alive_processes()
         assert pids
     assert not cluster.alive_processes()

@@ -1,10 +1,8 @@
 """Mesh rules: shapes, the batch rule and 1-D checks are explained before torch sees them."""
 
-from types import SimpleNamespace
-
 import pytest
 
-from shardlab.mesh import MeshError, check_batch_per_domain_group, require_1d, resolve_mesh_shape
+from shardlab.mesh import MeshError, check_batch_per_domain_group, resolve_mesh_shape
 
 
 @pytest.mark.parametrize(
@@ -53,9 +51,3 @@ def test_batch_rule_says_to_scale_on_ddp():
     with pytest.raises(MeshError, match=r"batch size 2 per domain group.*ddp axis"):
         check_batch_per_domain_group(batch_size=2, domain_size=2)
 
-
-def test_two_d_mesh_where_one_axis_is_needed_names_the_axes():
-    two_d = SimpleNamespace(ndim=2, mesh_dim_names=("ddp", "domain"))
-    with pytest.raises(MeshError, match=r'needs a 1-D mesh.*mesh\["ddp"\] or mesh\["domain"\]'):
-        require_1d(two_d, "sync")
-    require_1d(SimpleNamespace(ndim=1, mesh_dim_names=("domain",)))

@@ -49,3 +49,9 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in readme and "make lab" in readme
     assert re.search(r"^make test$", ci, re.M)
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("notebooks/*.ipynb")), ids=lambda p: p.name)
+def test_notebook_tells_a_wrong_kernel_what_to_pick(path):
+    first = next(c.source for c in nbformat.read(path, as_version=4).cells if "import shardlab" in c.source)
+    assert first.startswith("try:\n    import shardlab as sl\nexcept ModuleNotFoundError:")

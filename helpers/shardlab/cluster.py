@@ -73,6 +73,15 @@ def mpi_arguments(n: int) -> list[str]:
     return args
 
 
+def oversubscription_note(n: int, cores: int) -> str | None:
+    """What a learner should know when a cluster has more ranks than cores (None when it does not)."""
+    if n <= cores:
+        return None
+    return (f"Starting {n} ranks on {cores} CPU cores: MPI refuses more ranks than cores unless told to "
+            "oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are unaffected, "
+            "timings are slower and say nothing about speed on real hardware.")
+
+
 def _is_ours(proc: psutil.Process) -> bool:
     try:
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -242,10 +251,9 @@ class MPICluster:
         cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
         cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"}
 
-        if self.engines == "mpi" and self.n > self.cores:
-            print(f"Starting {self.n} ranks on {self.cores} CPU cores: MPI refuses more ranks than cores unless "
-                  "told to oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are "
-                  "unaffected, timings are slower and say nothing about speed on real hardware.")
+        note = oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
+        if note:
+            print(note)
         t0 = time.perf_counter()
         atexit.register(self.stop)
         try:
@@ -260,7 +268,9 @@ class MPICluster:
             view = self.client[:]
             view.block = True
             ar = view.apply_async(_engine_setup, self.master_port, self.timeout_s, threads, self.device == "cpu")
-            self.states = sorted(self.wait(ar, self.timeout_s + 60, "initialise DistributedManager"),
+            # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow.
+            init_wait = max(self.start_timeout_s, self.timeout_s + 60)
+            self.states = sorted(self.wait(ar, init_wait, "initialise DistributedManager"),
                                  key=lambda s: s["rank"])
         except BaseException:
             self.stop()

@@ -59,9 +59,27 @@ def check_batch_per_domain_group(batch_size: int, domain_size: int) -> None:
         )
 
 
-def require_1d(mesh, what: str = "this operation") -> None:
-    """Stop early when a 2-D mesh is passed where one axis is meant, naming the axis to pick."""
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names or ()
-        hint = " or ".join(f'mesh["{n}"]' for n in names) or "a 1-D sub-mesh"
-        raise MeshError(f"{what} needs a 1-D mesh, got {mesh.ndim}-D {tuple(names)}: pass {hint}.")
+
+def scatter(tensor, global_src: int, mesh, placements, global_shape=None, dtype=None, requires_grad: bool = False):
+    """``scatter_tensor`` with its inputs checked first, on every rank, with a message that says what to change.
+
+    Upstream accepts a ``global_shape`` that contradicts the tensor and silently builds an
+    inconsistent ShardTensor; a source outside the mesh gets a terse error.
+    """
+    import torch.distributed as dist
+    from physicsnemo.distributed import DistributedManager
+    from physicsnemo.domain_parallel import scatter_tensor
+
+    ranks = mesh.mesh.flatten().tolist()
+    if global_src not in ranks:
+        raise MeshError(f"source rank {global_src} is not in this mesh (ranks {ranks}): use a global rank of the "
+                        "mesh, e.g. dist.get_global_rank(mesh.get_group(), 0).")
+    problem = [None]
+    if dist.get_rank() == global_src and global_shape is not None and tuple(global_shape) != tuple(tensor.shape):
+        problem[0] = (f"global_shape {tuple(global_shape)} does not match the tensor's shape {tuple(tensor.shape)} on "
+                      f"the source rank {global_src}: pass global_shape=tensor.shape, or leave it None.")
+    dist.broadcast_object_list(problem, src=global_src, group=DistributedManager().get_mesh_group(mesh))
+    if problem[0]:
+        raise MeshError(problem[0])
+    return scatter_tensor(tensor, global_src, mesh, placements, global_shape=global_shape, dtype=dtype,
+                          requires_grad=requires_grad)
