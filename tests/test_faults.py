@@ -18,13 +18,14 @@ from shardlab.report import _composite_errors
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster():
+    """A fresh 2-rank cluster per test; request it after no_leftovers so it is stopped before that check."""
     with sl.MPICluster(n=2, device="cpu", timeout_s=10) as c:
         yield c
 
 
-def test_rank_error_names_the_rank_and_the_cluster_stays_usable(cluster):
+def test_rank_error_names_the_rank_and_the_cluster_stays_usable(no_leftovers, cluster):
     with pytest.raises(CompositeError) as failure:
         cluster.run("import torch.distributed as dist\nif dist.get_rank() == 1: raise ValueError('boom')", 60)
     lines = sl.summarize_rank_errors(_composite_errors(failure.value), [0, 1])
@@ -33,7 +34,7 @@ def test_rank_error_names_the_rank_and_the_cluster_stays_usable(cluster):
     assert cluster.view.pull("ok") == [1, 2]
 
 
-def test_dead_engine_is_a_clear_error_and_restart_recovers(cluster, no_leftovers):
+def test_dead_engine_is_a_clear_error_and_restart_recovers(no_leftovers, cluster):
     old = [s["pid"] for s in cluster.states]
     os.kill(old[1], signal.SIGKILL)
     t0 = time.monotonic()
