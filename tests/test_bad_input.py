@@ -40,6 +40,7 @@ rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, seen)
 if dist.get_rank() == 0:
     print(json.dumps(rows))
+sl.launch.shutdown_distributed()
 """
 
 EXPECTED = {

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .launch import torchrun_command
+
 # The workload timed both ways: 5 DDP steps of the surrogate on a (ddp=2, domain=2) mesh.
 WORKLOAD = """
 import time, shardlab as sl
@@ -45,7 +47,8 @@ max_error = max((model(x).full_tensor() - model(field)).abs().max().item(), (x.g
 """
 
 TORCHRUN_SCRIPT = "import shardlab as sl\nsl.init_distributed(60)\n" + WORKLOAD + (
-    "\nimport torch.distributed as dist\nif dist.get_rank() == 0: print('WORKLOAD', workload_s)\n")
+    "\nimport torch.distributed as dist\nif dist.get_rank() == 0: print('WORKLOAD', workload_s)\n"
+    "sl.launch.shutdown_distributed()\n")
 
 
 def _measure_table(what: str) -> dict:
@@ -79,8 +82,7 @@ def run() -> list[dict]:
         script = Path(tmp) / "workload.py"
         script.write_text(TORCHRUN_SCRIPT)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
-                              capture_output=True, text=True, timeout=600, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+        proc = subprocess.run(torchrun_command(4, str(script)), capture_output=True, text=True, timeout=600, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
         torchrun_wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"torchrun workload failed:\n{proc.stderr[-3000:]}")

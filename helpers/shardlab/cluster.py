@@ -98,15 +98,17 @@ def leftover_processes() -> list[psutil.Process]:
     return [p for p in psutil.process_iter() if p.pid != me and _is_ours(p)]
 
 
+def _same_process(pid: int, created: float) -> psutil.Process | None:
+    """The process recorded as (pid, creation time), if it still runs; None once the pid is gone or recycled."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - created) < 1e-3 else None
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _kill(pids_and_times: list[tuple[int, float]], grace_s: float = 3.0) -> None:
-    procs = []
-    for pid, created in pids_and_times:
-        try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 1e-3:  # not a recycled pid
-                procs.append(proc)
-        except psutil.NoSuchProcess:
-            pass
+    procs = [p for p in (_same_process(pid, created) for pid, created in pids_and_times) if p is not None]
     for proc in procs:
         try:
             proc.terminate()
@@ -130,12 +132,8 @@ def clean_stale_clusters() -> int:
         except (OSError, ValueError):
             record_file.unlink(missing_ok=True)
             continue
-        if psutil.pid_exists(record["owner_pid"]):
-            try:
-                if abs(psutil.Process(record["owner_pid"]).create_time() - record["owner_created"]) < 1e-3:
-                    continue  # its kernel is alive: not ours to touch
-            except psutil.NoSuchProcess:
-                pass
+        if _same_process(record["owner_pid"], record["owner_created"]):
+            continue  # its kernel is alive: not ours to touch
         _kill([tuple(p) for p in record["processes"]])
         shutil.rmtree(record["profile_dir"], ignore_errors=True)
         record_file.unlink(missing_ok=True)
@@ -222,6 +220,7 @@ class MPICluster:
         self.view = None
         self._profile_dir = None
         self._processes: list[tuple[int, float]] = []
+        self._activated: dict | None = None  # activate()'s arguments, so restart() can repeat them
         self._record_file = REGISTRY / f"{self.cluster_id}.json"
 
     # -- starting -------------------------------------------------------------------------
@@ -353,7 +352,7 @@ class MPICluster:
     def restart(self) -> "MPICluster":
         """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
         the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
-        activated = getattr(self, "_activated", None)
+        activated = self._activated
         self.stop()
         self.cluster_id = f"shardlab-{uuid.uuid4().hex[:8]}"
         self._record_file = REGISTRY / f"{self.cluster_id}.json"
@@ -366,9 +365,9 @@ class MPICluster:
         """PIDs of this cluster's engines, controller and mpiexec that are still running."""
         alive = []
         for pid, created in self._processes:
+            proc = _same_process(pid, created)
             try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                if proc is not None and proc.status() != psutil.STATUS_ZOMBIE:
                     alive.append(pid)
             except psutil.NoSuchProcess:
                 pass

@@ -24,6 +24,13 @@ PHYSICSNEMO_METHOD = {"torchrun": "ENV", "slurm": "SLURM", "openmpi": "OPENMPI",
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 
 
+def torchrun_command(n: int, *program: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *program]
+
+
 class LaunchError(RuntimeError):
     """The environment does not describe a usable distributed launch; the message says what to change."""
 
@@ -132,6 +139,17 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         )
 
     return LaunchInfo("none", 0, 0, 1, addr, port, None, note="no launcher variables: a single process")
+
+
+def shutdown_distributed() -> None:
+    """End a launched script: every rank tears the process group down together, before interpreter exit.
+
+    Left to PhysicsNeMo's atexit hook, a rank sometimes aborted in C++ ("terminate called without
+    an active exception") after all its work had succeeded, turning a good run's exit code into 1.
+    """
+    from physicsnemo.distributed import DistributedManager
+
+    DistributedManager.cleanup(barrier=True)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from .cluster import find_mpiexec, mpi_arguments, mpi_environment
+from .launch import shutdown_distributed, torchrun_command
+from .mesh import domain_source
 
 
 def bare_mpiexec_seconds(n: int = 4, code: str = "import physicsnemo", timeout_s: float = 180.0) -> float:
@@ -123,7 +125,7 @@ def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2)
         else:
             mesh = init_device_mesh("cpu" if field.device.type == "cpu" else "cuda", (world // n, n),
                                     mesh_dim_names=("ddp", "domain"))
-            x = scatter_tensor(field, dist.get_global_rank(mesh["domain"].get_group(), 0), mesh["domain"], (Shard(dim),))
+            x = scatter_tensor(field, domain_source(mesh), mesh["domain"], (Shard(dim),))
         with SavedActivations(exclude=model.parameters()) as saved:
             model(x)
         result[n] = saved.bytes
@@ -295,8 +297,7 @@ def main(argv=None) -> int:
     if ranks > 1 and detect_launch().launcher == "none":
         # Not under a launcher: start the ranks this table needs, with the same arguments.
         argv = sys.argv[1:] if argv is None else list(argv)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(ranks, *args.sizes)}",
-               "-m", "shardlab.measure", *argv]
+        cmd = torchrun_command(max(ranks, *args.sizes), "-m", "shardlab.measure", *argv)
         return subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=900).returncode
 
     report = table(args)
@@ -304,6 +305,8 @@ def main(argv=None) -> int:
         print(format_table(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
+    if ranks > 1:
+        shutdown_distributed()
     return 0
 
 

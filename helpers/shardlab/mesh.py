@@ -49,6 +49,13 @@ def build_mesh(ddp: int = -1, domain: int = 1):
     return manager.initialize_mesh(shape, MESH_AXES)
 
 
+def domain_source(mesh) -> int:
+    """Global rank of the first rank of this rank's domain group: where its sample is loaded and scattered from."""
+    import torch.distributed as dist
+
+    return dist.get_global_rank(mesh["domain"].get_group(), 0)
+
+
 def check_batch_per_domain_group(batch_size: int, domain_size: int) -> None:
     """PhysicsNeMo's domain parallelism shards one sample per domain group: batch 1, scale on ddp."""
     if domain_size > 1 and batch_size != 1:

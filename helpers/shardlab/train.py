@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .mesh import domain_source
+
 WRAPPERS = ("none", "ddp", "fsdp2")
 
 
@@ -70,7 +72,7 @@ class Trainer:
         self.mesh, self.how = mesh, how
         self.inputs, self.targets = samples if samples is not None else normalized_darcy()
         self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
-        self.src = dist.get_global_rank(mesh["domain"].get_group(), 0)
+        self.src = domain_source(mesh)
         self.model = wrap(model, mesh, how)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.steps_done = 0
