@@ -1,31 +1,63 @@
 # Two commands for learners: `make lab` (open the series) and `make test` (run every test).
-# Both create the environment in .venv when it is missing or when requirements.txt changed.
+# Both create the environment in .venv when it is missing or when the lock (requirements.txt) changed.
+# Versions: edit requirements.in, then `make lock` regenerates requirements.txt (every package, with hashes).
 PYTHON ?= python3
 VENV   ?= .venv
 KERNEL := shardlab
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test handout env clean-env
+# The lock is made by uv, installed into its own throwaway venv (never into .venv).
+LOCK_VENV  ?= .venv-lock
+UV_VERSION := 0.13.9
+LOCK_CMD   := uv pip compile requirements.in --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --no-header --quiet -o requirements.txt
+# e.g. `make lock LOCK_ARGS=--upgrade` moves every package not pinned in requirements.in to its newest release;
+# without it, packages already in requirements.txt keep their versions where requirements.in still allows them.
+LOCK_ARGS  ?=
+
+.PHONY: lab test test-fast lint handout env lock clean-env
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal
+
+# What needs no ranks, no notebooks and no browser: the loop to run after every change (seconds).
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m unit -n 2
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 handout: $(STAMP)
 	$(VENV)/bin/python -m shardlab.handout notebooks build/handout
 
 env: $(STAMP)
 
+# The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
 $(STAMP): requirements.txt helpers/pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
 	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) \
 		--display-name "Python (shardlab: PhysicsNeMo distributed)"
 	@touch $(STAMP)
+
+lock:
+	@test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+	$(LOCK_VENV)/bin/$(LOCK_CMD) $(LOCK_ARGS)
+	@{ printf '%s\n' \
+		"# Lock for Linux x86_64 / CPython 3.11 (what CI runs): every package \`make env\` installs, with hashes." \
+		"# Generated from requirements.in by \`make lock\`; do not edit by hand. The command (uv $(UV_VERSION)):" \
+		"#   $(LOCK_CMD)" \
+		"# \`make env\` installs it with: pip install --require-hashes -r requirements.txt" \
+		"# 3.11 means any 3.11.x: packages that need a later patch release (soupsieve 4 needs 3.11.5) stay older." \
+		"#"; cat requirements.txt; } > requirements.txt.tmp
+	@mv requirements.txt.tmp requirements.txt
 
 clean-env:
 	rm -rf $(VENV)

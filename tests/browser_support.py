@@ -46,7 +46,8 @@ def ensure_chromium() -> str:
     if out.returncode != 0:  # empty or stale package lists (fresh containers ship none): refresh once, then retry
         apt_get("update")
         out = apt_get(*install)
-    assert out.returncode == 0 and Path(CHROMIUM).exists(), f"could not install chromium with apt-get:\n{out.stderr[-2000:]}"
+    assert out.returncode == 0 and Path(CHROMIUM).exists(), (
+        f"could not install chromium with apt-get:\n{out.stderr[-2000:]}")
     return CHROMIUM
 
 
@@ -100,7 +101,8 @@ def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
                     api("/api/status")
                     break
                 except OSError:
-                    assert time.monotonic() < deadline, f"jupyter lab not up after {startup_timeout_s:.0f} s; see {log_path}"
+                    assert time.monotonic() < deadline, (
+                        f"jupyter lab not up after {startup_timeout_s:.0f} s; see {log_path}")
                     time.sleep(0.5)
             yield base, token, api
         finally:

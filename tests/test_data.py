@@ -103,3 +103,23 @@ def test_load_darcy_missing_file_says_how_to_regenerate(tmp_path, monkeypatch):
     assert sldata.data_dir() == tmp_path
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path))):
         sldata.load_darcy()
+
+
+def test_a_non_editable_install_finds_the_data(tmp_path):
+    """The package ships the dataset (a link to data/ in the repository, a copy in a wheel)."""
+    import subprocess
+    import sys
+
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(wheel_dir), str(REPO / "helpers")], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next(wheel_dir.glob("shardlab-*.whl"))
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-2000:]
+    load = ("import shardlab.data as d; print(d.__file__); print(d.load_darcy(samples=2)['pressure'].shape)")
+    run = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [str(target / "shardlab" / "data.py"), "torch.Size([2, 1, 64, 64])"]

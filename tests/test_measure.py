@@ -36,6 +36,7 @@ def test_ideal_ratio_is_one_over_n_plus_halo(n, expected):
     assert measure.ideal_activation_ratio(n, height=64, kernel_size=3) == pytest.approx(expected)
 
 
+@pytest.mark.multirank
 def test_activation_memory_script_on_four_ranks(tmp_path, no_leftovers):
     out = tmp_path / "act.json"
     proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "--json", str(out)],

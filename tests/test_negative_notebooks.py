@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+pytestmark = pytest.mark.notebook
 
 
 def run_nbmake(name: str, tmp_path: Path, timeout_s: float = 240) -> tuple[int, str, float]:
@@ -35,9 +36,9 @@ def test_error_on_one_rank_fails_the_notebook(tmp_path, no_leftovers):
 
 
 def test_rank_skipping_a_collective_fails_within_the_timeout(tmp_path, no_leftovers):
-    code, out, seconds = run_nbmake("hangs_in_collective.ipynb", tmp_path)
+    code, out, _ = run_nbmake("hangs_in_collective.ipynb", tmp_path)
     assert code == 1, out[-3000:]
     assert "Timed out waiting 10000ms" in out
     assert "rank(s) [0] timed out in a collective waiting for rank(s) [1]" in out
-    # Cluster start (~20-30 s on 2 cores) + the 10 s collective timeout; 30 minutes would mean gloo's default.
-    assert seconds < 150, f"took {seconds:.0f} s"
+    # It was the collective's 10 s timeout that ended the wait, not nbmake's cell timeout (200 s) or ours (240 s).
+    assert "CellTimeoutError" not in out and "Timeout waiting for execute reply" not in out

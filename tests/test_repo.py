@@ -19,8 +19,10 @@ def pins(lines) -> dict[str, str]:
     return found
 
 
-def test_there_are_notebooks():
-    assert len(list(ROOT.glob("notebooks/*.ipynb"))) >= 2
+def test_the_readme_lists_exactly_the_notebooks_there_are():
+    listed = re.findall(r"^\| `(\d\d_\w+)` \|", (ROOT / "README.md").read_text(), re.M)
+    present = sorted(p.stem for p in ROOT.glob("notebooks/*.ipynb"))
+    assert listed == present, f"README's series table lists {listed}, notebooks/ has {present}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -37,11 +39,28 @@ def test_notebook_uses_the_series_kernel(path):
     assert nbformat.read(path, as_version=4).metadata.kernelspec.name == "shardlab"
 
 
-def test_environment_yml_mirrors_requirements():
-    requirements = pins((ROOT / "requirements.txt").read_text().splitlines())
-    conda = (ROOT / "environment.yml").read_text()
-    pip_section = conda.split("- pip:", 1)[1].splitlines()
-    assert requirements and pins(pip_section) == requirements
+def normalized(found: dict[str, str]) -> dict[str, str]:
+    return {re.sub(r"[-_.]+", "-", name): version for name, version in found.items()}
+
+
+def test_environment_yml_installs_the_lock():
+    pip_section = (ROOT / "environment.yml").read_text().split("- pip:", 1)[1].splitlines()
+    assert [line.strip() for line in pip_section if line.strip().startswith("-")] == ["- -r requirements.txt"]
+
+
+def test_lock_has_every_direct_pin_at_the_same_version():
+    direct = normalized(pins((ROOT / "requirements.in").read_text().splitlines()))
+    lock = normalized(pins(line.removesuffix("\\") for line in (ROOT / "requirements.txt").read_text().splitlines()))
+    assert direct and "ruff" in direct
+    assert {name: lock.get(name) for name in direct} == direct, "requirements.txt is stale: run `make lock`"
+
+
+def test_lock_pins_every_package_with_hashes():
+    text = (ROOT / "requirements.txt").read_text()
+    entries = [e for e in re.split(r"\n(?=[A-Za-z0-9])", text) if re.match(r"[A-Za-z0-9]", e)]
+    assert len(entries) > 100 and "make lock" in text
+    for entry in entries:
+        assert re.match(r"[A-Za-z0-9_.\-]+==\S+ \\\n", entry) and "--hash=sha256:" in entry, entry.splitlines()[0]
 
 
 def test_ci_runs_the_readme_test_command():
@@ -49,6 +68,7 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in readme and "make lab" in readme
     assert re.search(r"^make test$", ci, re.M)
+    assert re.search(r"^make lint$", ci, re.M) and ci.index("make lint") < ci.index("make test")
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("notebooks/*.ipynb")), ids=lambda p: p.name)

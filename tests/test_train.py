@@ -29,6 +29,7 @@ def test_one_process_reference_is_deterministic():
     assert a == b and a[1] < a[0]
 
 
+@pytest.mark.multirank
 def test_state_memory_script_fsdp2_divides_by_ddp_size(tmp_path, no_leftovers):
     out = tmp_path / "state.json"
     proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "state-memory", "--json", str(out)],

@@ -6,19 +6,14 @@ bugs depend on import-time and process-group state that a test process cannot un
 """
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
+from shardlab.launch import free_port
+
 TIMEOUT_S = 120
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -34,7 +29,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 def _single_rank_env() -> dict:
     # World size 1 is enough: the device_id check happens before any rendezvous with peers.
-    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def test_1936_cpu_process_group_init_still_fails_upstream():

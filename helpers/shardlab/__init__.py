@@ -1,30 +1,54 @@
-"""shardlab: the helpers of the PhysicsNeMo distributed notebook series.
+"""shardlab: the helpers of the PhysicsNeMo distributed notebook series, imported as ``sl``.
 
-Layers, each importing only the ones before it:
-launch -> cluster -> mesh / data -> measure -> report / plot, with smoke (the CLI) on top.
-Notebooks import it once as ``import shardlab as sl``.
+Layers, lowest first. A module imports only from layers below its own; ``tests/test_layers.py``
+checks every import, including those inside functions, against this list.
+
+1. ``workarounds`` (upstream bugs), ``report`` (tables, per-rank error text), ``procs`` (which
+   processes shardlab started)
+2. ``launch``: launcher variables and command lines, ``init_distributed`` on every rank
+3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``
+4. ``train``: wrappers, the Trainer, checkpoints
+5. ``measure`` (bytes and collectives, measured live), ``plot`` (figures)
+6. ``cluster`` (ipyparallel engines behind ``%%px``), ``check`` (exercise checks)
+7. command-line tools: ``smoke``, ``bench``, ``handout``
+
+Submodules load on first use: a rank that only needs ``shardlab.launch`` does not import
+matplotlib, and a notebook kernel does not import PhysicsNeMo until it asks for something that
+needs it.
 """
 
-from . import check, cluster, data, launch, mesh, models, plot, report, train, workarounds
-from .cluster import ClusterError, MPICluster, leftover_processes, start_cluster
-from .launch import DistributedState, LaunchError, LaunchInfo, detect_launch, init_distributed
-from .mesh import MeshError, build_mesh, resolve_mesh_shape
-from .report import Table, summarize_rank_errors
+import importlib
 
-_COMMANDS = ("bench", "handout", "measure", "smoke")  # also `python -m` entry points: imported on first use, so runpy finds them fresh
+LAYERS = (
+    ("workarounds", "report", "procs"),
+    ("launch",),
+    ("mesh", "data", "models"),
+    ("train",),
+    ("measure", "plot"),
+    ("cluster", "check"),
+    ("smoke", "bench", "handout"),
+)
+_MODULES = {name for layer in LAYERS for name in layer}
+_SHORTCUTS = {
+    "ClusterError": "cluster", "MPICluster": "cluster", "start_cluster": "cluster",
+    "DistributedState": "launch", "LaunchError": "launch", "LaunchInfo": "launch", "detect_launch": "launch",
+    "init_distributed": "launch",
+    "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
+    "Table": "report", "summarize_rank_errors": "report",
+    "leftover_processes": "procs",
+}
 
 
 def __getattr__(name):
-    if name in _COMMANDS:
-        import importlib
-
+    if name in _MODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name in _SHORTCUTS:
+        return getattr(importlib.import_module(f".{_SHORTCUTS[name]}", __name__), name)
     raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
 
 
-__all__ = [
-    "ClusterError", "DistributedState", "LaunchError", "LaunchInfo", "MPICluster", "MeshError", "Table",
-    "build_mesh", "check", "cluster", "data", "detect_launch", "handout", "init_distributed", "launch",
-    "leftover_processes", "measure", "mesh", "models", "plot", "report", "resolve_mesh_shape", "smoke",
-    "start_cluster", "summarize_rank_errors", "train", "workarounds",
-]
+def __dir__():
+    return sorted([*globals(), *_MODULES, *_SHORTCUTS])
+
+
+__all__ = sorted([*_MODULES, *_SHORTCUTS])

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from .launch import LaunchError, detect_launch
+
 
 class NotSolved(AssertionError):
     """The answer is missing or wrong; the message says which part, and a hint."""
@@ -67,8 +69,6 @@ def at_most(got, bound: float, what: str, hint: str = "") -> None:
 
 def launcher_environment(env, launcher: str, rank: int, world_size: int, local_rank: int) -> None:
     """An environment dict that ``sl.detect_launch`` reads as the given launcher, rank and sizes."""
-    from .launch import LaunchError, detect_launch
-
     if _blank(env) or not isinstance(env, dict):
         raise NotSolved(f"not answered yet: set `answer` to a dict of environment variables (strings), got {env!r}.")
     if launcher == "torchrun" and not {"MASTER_ADDR", "MASTER_PORT"} <= set(env):

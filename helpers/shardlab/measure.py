@@ -5,32 +5,46 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .cluster import find_mpiexec, mpi_arguments, mpi_environment
-from .launch import shutdown_distributed, torchrun_command
-from .mesh import domain_source
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from .data import load_darcy
+from .launch import clean_environment, detect_launch, init_distributed, shutdown_distributed, torchrun_command
+from .mesh import build_mesh, domain_source
+from .models import conv_stack
+from .train import train
 
-def bare_mpiexec_seconds(n: int = 4, code: str = "import physicsnemo", timeout_s: float = 180.0) -> float:
-    """Seconds for ``mpiexec -n n python -c code``: the floor under any MPI cluster start."""
-    cmd = [find_mpiexec(), "-n", str(n), *mpi_arguments(n), sys.executable, "-c", code]
-    env = os.environ | mpi_environment()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode:
-        raise RuntimeError(f"mpiexec -n {n} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return time.perf_counter() - t0
+# PhysicsNeMo is imported inside the functions that use it: the byte arithmetic also runs in
+# the notebook kernel, which need not pay its import.
 
 
 def local_bytes(t) -> int:
     """Bytes this rank holds for a tensor: the local shard of a ShardTensor/DTensor, else the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def state_bytes(model, optimizer=None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    params = list(model.parameters())
+    out = {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer state": 0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out["optimizer state"] += sum(local_bytes(v) for v in state.values() if hasattr(v, "numel"))
+    return out
 
 
 class SavedActivations:
@@ -56,8 +70,6 @@ class SavedActivations:
         return t
 
     def __enter__(self):
-        import torch
-
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -66,42 +78,34 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-def _collective_counter_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
+class CollectiveBytes(TorchDispatchMode):
+    """Counts collectives and the bytes of the tensors handed to them, plus the largest tensor seen."""
 
-    class CollectiveBytes(TorchDispatchMode):
-        """Counts collectives and the bytes of the tensors handed to them, plus the largest tensor seen."""
+    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 
-        NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, dict[str, int]] = {}
+        self.largest_tensor_bytes = 0
 
-        def __init__(self):
-            super().__init__()
-            self.ops: dict[str, dict[str, int]] = {}
-            self.largest_tensor_bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            import torch
-            from torch.utils._pytree import tree_flatten
-
-            out = func(*args, **(kwargs or {}))
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            for t in tensors:
-                self.largest_tensor_bytes = max(self.largest_tensor_bytes, t.numel() * t.element_size())
-            if func.namespace in self.NAMESPACES and not func.__name__.startswith(("wait_tensor", "_wrap")):
-                name = str(func.overloadpacket).split(".")[-1]
-                entry = self.ops.setdefault(name, {"calls": 0, "bytes": 0})
-                entry["calls"] += 1
-                inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-                entry["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
-            return out
-
-    return CollectiveBytes()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.largest_tensor_bytes = max(self.largest_tensor_bytes, t.numel() * t.element_size())
+        if func.namespace in self.NAMESPACES and not func.__name__.startswith(("wait_tensor", "_wrap")):
+            name = str(func.overloadpacket).split(".")[-1]
+            entry = self.ops.setdefault(name, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            entry["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
+        return out
 
 
-def collective_bytes():
+def collective_bytes() -> CollectiveBytes:
     """A ``with`` block that records, on this rank, each collective's calls and input bytes
     (``.ops``) and the largest tensor any op touched (``.largest_tensor_bytes``)."""
-    return _collective_counter_mode()
+    return CollectiveBytes()
 
 
 def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2) -> dict[int, int]:
@@ -110,10 +114,7 @@ def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2)
     Call on every rank together; for each N it builds a (world/N, N) mesh and scatters the field
     along ``dim`` (N = 1 runs the plain tensor).
     """
-    import torch.distributed as dist
     from physicsnemo.domain_parallel import scatter_tensor
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
 
     world = dist.get_world_size()
     result = {}
@@ -123,8 +124,7 @@ def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2)
         if n == 1:
             x = field.clone()
         else:
-            mesh = init_device_mesh("cpu" if field.device.type == "cpu" else "cuda", (world // n, n),
-                                    mesh_dim_names=("ddp", "domain"))
+            mesh = init_device_mesh(field.device.type, (world // n, n), mesh_dim_names=("ddp", "domain"))
             x = scatter_tensor(field, domain_source(mesh), mesh["domain"], (Shard(dim),))
         with SavedActivations(exclude=model.parameters()) as saved:
             model(x)
@@ -142,9 +142,6 @@ def max_diff_to_source(module, group, src: int) -> float:
 
     Every rank of the group gets the same answer (0.0 means the module is in sync).
     """
-    import torch
-    import torch.distributed as dist
-
     worst = 0.0
     for t in [*module.parameters(), *module.buffers()]:
         ref = t.detach().clone()
@@ -157,8 +154,6 @@ def max_diff_to_source(module, group, src: int) -> float:
 
 
 def _gather_rows(rows: dict) -> list[dict]:
-    import torch.distributed as dist
-
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     return everyone
@@ -166,10 +161,6 @@ def _gather_rows(rows: dict) -> list[dict]:
 
 def activation_memory_table(args) -> dict:
     """Bytes saved for backward on the largest rank, for each domain size, against 1/N + halo."""
-    from .data import load_darcy
-    from .launch import init_distributed
-    from .models import conv_stack
-
     state = init_distributed(args.timeout)
     field = load_darcy(samples=1)["permeability"].to(state.device)
     model = conv_stack(width=args.width, layers=args.layers, kernel_size=args.kernel_size).to(state.device)
@@ -191,11 +182,6 @@ def activation_memory_table(args) -> dict:
 
 def state_memory_table(args) -> dict:
     """Parameters + gradients + Adam state per rank, FSDP2 over DDP, for each ddp size."""
-    from .launch import init_distributed
-    from .mesh import build_mesh
-    from .models import conv_stack
-    from .train import state_bytes, train
-
     state = init_distributed(args.timeout)
     rows = []
     for ddp in args.sizes:
@@ -217,10 +203,6 @@ def state_memory_table(args) -> dict:
 
 def compile_speed_table(args) -> dict:
     """One process: compiled / eager forward+backward step time of a conv stack, interleaved repeats."""
-    import torch
-
-    from .models import conv_stack
-
     model = conv_stack(width=args.width, layers=args.layers, seed=0)
     compiled = torch.compile(conv_stack(width=args.width, layers=args.layers, seed=0), dynamic=False)
     x = torch.randn(1, 1, 64, 64)
@@ -267,13 +249,15 @@ def format_table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """Print one measurement as a stable table: ``python -m shardlab.measure {activation-memory,state-memory,compile-speed}``."""
+    """Print one measurement as a stable table:
+    ``python -m shardlab.measure {activation-memory,state-memory,compile-speed,all}``."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m shardlab.measure", description=main.__doc__)
     parser.add_argument("what", choices=[*TABLES, "all"], help="one table, or all of them in one run")
-    parser.add_argument("--sizes", type=int, nargs="+", help="domain sizes (activation-memory) or ddp sizes (state-memory)")
+    parser.add_argument("--sizes", type=int, nargs="+",
+                        help="domain sizes (activation-memory) or ddp sizes (state-memory)")
     parser.add_argument("--width", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--kernel-size", type=int, default=3)
@@ -292,13 +276,11 @@ def main(argv=None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
 
-    from .launch import detect_launch
-
     if ranks > 1 and detect_launch().launcher == "none":
         # Not under a launcher: start the ranks this table needs, with the same arguments.
         argv = sys.argv[1:] if argv is None else list(argv)
         cmd = torchrun_command(max(ranks, *args.sizes), "-m", "shardlab.measure", *argv)
-        return subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=900).returncode
+        return subprocess.run(cmd, env=clean_environment(OMP_NUM_THREADS="1"), timeout=900).returncode
 
     report = table(args)
     if report["rank"] == 0:

@@ -1,9 +1,15 @@
 """Mesh layer: the named ``(ddp, domain)`` DeviceMesh, with shapes checked before torch sees them.
 
+Also the sharding arithmetic drawn and measured in the notebooks: shard bounds and halo plans.
 Introduced in ``notebooks/01_launchers.ipynb`` (smoke CLI); taught in ``02_device_mesh``.
 """
 
 from __future__ import annotations
+
+import torch.distributed as dist
+
+# PhysicsNeMo is imported inside the functions that use it: the shape rules and the halo arithmetic
+# also run in the notebook kernel, which need not pay PhysicsNeMo's import (seconds) for them.
 
 MESH_AXES = ("ddp", "domain")
 
@@ -19,7 +25,8 @@ def _divisors(n: int) -> list[int]:
 def resolve_mesh_shape(world_size: int, ddp: int = -1, domain: int = 1) -> tuple[int, int]:
     """(ddp, domain) sizes with at most one ``-1`` filled in, or a MeshError saying what to change."""
     if ddp == -1 and domain == -1:
-        raise MeshError("both ddp and domain are -1: at most one axis can be inferred. Fix the domain size, e.g. domain=2.")
+        raise MeshError("both ddp and domain are -1: at most one axis can be inferred. Fix the domain size, "
+                        "e.g. domain=2.")
     for name, size in (("ddp", ddp), ("domain", domain)):
         if size != -1 and (not isinstance(size, int) or size < 1):
             raise MeshError(f"{name}={size!r}: an axis size is a positive integer, or -1 to infer it.")
@@ -51,8 +58,6 @@ def build_mesh(ddp: int = -1, domain: int = 1):
 
 def domain_source(mesh) -> int:
     """Global rank of the first rank of this rank's domain group: where its sample is loaded and scattered from."""
-    import torch.distributed as dist
-
     return dist.get_global_rank(mesh["domain"].get_group(), 0)
 
 
@@ -66,6 +71,43 @@ def check_batch_per_domain_group(batch_size: int, domain_size: int) -> None:
         )
 
 
+def shard_bounds(height: int, n_ranks: int) -> list[tuple[int, int, int]]:
+    """(rank, start, stop) of an even split, the first ``height % n_ranks`` ranks one row longer (numpy.array_split)."""
+    if n_ranks < 1 or height < 0:
+        raise ValueError(f"cannot split {height} rows over {n_ranks} ranks: need height >= 0 and n_ranks >= 1.")
+    base, extra = divmod(height, n_ranks)
+    bounds, start = [], 0
+    for rank in range(n_ranks):
+        stop = start + base + (rank < extra)
+        bounds.append((rank, start, stop))
+        start = stop
+    return bounds
+
+
+def halo_plan(height: int, n_ranks: int, kernel_size: int) -> list[dict]:
+    """Per rank, the rows it owns and the halo rows it receives from rank r-1 (above) and r+1 (below)."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size={kernel_size}: use an odd size (3, 5, ...), which pads the same on both sides.")
+    halo = kernel_size // 2
+    bounds = shard_bounds(height, n_ranks)
+    if n_ranks > 1 and halo:
+        for rank, start, stop in bounds:
+            if stop - start < halo:
+                raise ValueError(
+                    f"a {kernel_size}×{kernel_size} kernel needs {halo} halo row(s) from each neighbour, but rank "
+                    f"{rank} owns only {stop - start} of {height} rows: use at most {height // halo} ranks or a "
+                    "taller field."
+                )
+    plan = []
+    for rank, start, stop in bounds:
+        plan.append({
+            "rank": rank,
+            "owned": (start, stop),
+            "from_above": (start - halo, start) if rank > 0 and halo else None,
+            "from_below": (stop, stop + halo) if rank < n_ranks - 1 and halo else None,
+        })
+    return plan
+
 
 def scatter(tensor, global_src: int, mesh, placements, global_shape=None, dtype=None, requires_grad: bool = False):
     """``scatter_tensor`` with its inputs checked first, on every rank, with a message that says what to change.
@@ -73,7 +115,6 @@ def scatter(tensor, global_src: int, mesh, placements, global_shape=None, dtype=
     Upstream accepts a ``global_shape`` that contradicts the tensor and silently builds an
     inconsistent ShardTensor; a source outside the mesh gets a terse error.
     """
-    import torch.distributed as dist
     from physicsnemo.distributed import DistributedManager
     from physicsnemo.domain_parallel import scatter_tensor
 

@@ -5,12 +5,20 @@ Introduced in ``notebooks/04_domain_parallel_ops.ipynb``.
 
 from __future__ import annotations
 
+import torch
+
 
 def conv_stack(width: int = 16, layers: int = 3, kernel_size: int = 3, seed: int = 0):
-    """Conv2d → GELU → … → Conv2d, 1 channel in and out, 'same' padding: a minimal field-to-field surrogate."""
-    import torch
+    """Conv2d → GELU → … → Conv2d, 1 channel in and out, 'same' padding: a minimal field-to-field surrogate.
 
-    torch.manual_seed(seed)
+    The weights depend on ``seed`` alone; the global random state is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: modules are created on the CPU
+        return _conv_stack(width, layers, kernel_size)
+
+
+def _conv_stack(width: int, layers: int, kernel_size: int):
     channels = [1] + [width] * (layers - 1) + [1]
     blocks = []
     for i, (c_in, c_out) in enumerate(zip(channels, channels[1:])):

@@ -11,6 +11,8 @@ import numpy as np
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from .mesh import halo_plan, shard_bounds
+
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 _GROUP_MEANING = {
     "domain": "ranks that shard one sample",
@@ -45,43 +47,6 @@ def _figure_and_axes(ax, figsize):
         return ax.figure, ax
     fig = _new_figure(figsize=figsize)
     return fig, fig.add_subplot()
-
-
-def shard_bounds(height: int, n_ranks: int) -> list[tuple[int, int, int]]:
-    """(rank, start, stop) of an even split, the first ``height % n_ranks`` ranks one row longer (numpy.array_split)."""
-    if n_ranks < 1 or height < 0:
-        raise ValueError(f"cannot split {height} rows over {n_ranks} ranks: need height >= 0 and n_ranks >= 1.")
-    base, extra = divmod(height, n_ranks)
-    bounds, start = [], 0
-    for rank in range(n_ranks):
-        stop = start + base + (rank < extra)
-        bounds.append((rank, start, stop))
-        start = stop
-    return bounds
-
-
-def halo_plan(height: int, n_ranks: int, kernel_size: int) -> list[dict]:
-    """Per rank, the rows it owns and the halo rows it receives from rank r-1 (above) and r+1 (below)."""
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size={kernel_size}: use an odd size (3, 5, ...), which pads the same on both sides.")
-    halo = kernel_size // 2
-    bounds = shard_bounds(height, n_ranks)
-    if n_ranks > 1 and halo:
-        for rank, start, stop in bounds:
-            if stop - start < halo:
-                raise ValueError(
-                    f"a {kernel_size}×{kernel_size} kernel needs {halo} halo row(s) from each neighbour, but rank {rank} "
-                    f"owns only {stop - start} of {height} rows: use at most {height // halo} ranks or a taller field."
-                )
-    plan = []
-    for rank, start, stop in bounds:
-        plan.append({
-            "rank": rank,
-            "owned": (start, stop),
-            "from_above": (start - halo, start) if rank > 0 and halo else None,
-            "from_below": (stop, stop + halo) if rank < n_ranks - 1 and halo else None,
-        })
-    return plan
 
 
 def rank_grid(mesh_ranks, axis_names=("ddp", "domain"), colour_by="domain", ax=None):
@@ -186,8 +151,8 @@ def shard_map(field, bounds, dim=0, local_shapes=None, title=None, ax=None):
     ax.set_ylabel("H (rows)")
     ax.set_title(title or f"{height}×{width} field over {len(bounds)} ranks, split along {'H' if dim == 0 else 'W'}",
                  fontsize=10)
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=len(legend) if len(legend) <= 3 else 2,
-              fontsize=8, frameon=False)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              ncols=len(legend) if len(legend) <= 3 else 2, fontsize=8, frameon=False)
     return fig
 
 

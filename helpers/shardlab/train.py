@@ -7,15 +7,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from .data import load_darcy
 from .mesh import domain_source
+
+# PhysicsNeMo is imported inside the functions that use it: the single-process reference
+# (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
 
 WRAPPERS = ("none", "ddp", "fsdp2")
 
 
 def normalized_darcy(samples: int | None = None) -> tuple:
     """(inputs, targets) of shape (N, 1, H, W): permeability centred and scaled, pressure scaled to O(1)."""
-    from .data import load_darcy
-
     data = load_darcy(samples=samples)
     k, p = data["permeability"], data["pressure"]
     return (k - k.mean()) / k.std(), p / p.abs().max()
@@ -34,12 +49,8 @@ def wrap(model, mesh, how: str):
     if mesh["domain"].size() > 1:
         sync_module_over_mesh(model, mesh["domain"])  # before wrapping: FSDP2 would make them DTensors
     if how == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, process_group=mesh["ddp"].get_group())
     if how == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
         for layer in model.children():
             if any(p.requires_grad for p in layer.parameters()):
                 fully_shard(layer, mesh=mesh["ddp"])
@@ -49,8 +60,6 @@ def wrap(model, mesh, how: str):
 
 def average_gradients_by_hand(model, group) -> None:
     """What DDP does for you: all-reduce every gradient over the ddp group and divide by its size."""
-    import torch.distributed as dist
-
     size = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -66,9 +75,6 @@ class Trainer:
     """
 
     def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None):
-        import torch
-        import torch.distributed as dist
-
         self.mesh, self.how = mesh, how
         self.inputs, self.targets = samples if samples is not None else normalized_darcy()
         self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
@@ -81,7 +87,6 @@ class Trainer:
     def batch(self, step: int):
         """This rank's (input, target) for a step: a domain-sharded ShardTensor when domain > 1."""
         from physicsnemo.domain_parallel import scatter_tensor
-        from torch.distributed.tensor import Shard
 
         i = step * self.ddp_size + self.replica
         if i >= len(self.inputs):
@@ -93,8 +98,6 @@ class Trainer:
         return x, y
 
     def step(self) -> float:
-        import torch.distributed as dist
-
         x, y = self.batch(self.steps_done)
         loss = ((self.model(x) - y) ** 2).mean()
         self.optimizer.zero_grad()
@@ -111,9 +114,6 @@ class Trainer:
 
     def full_state(self) -> dict:
         """Model and optimizer state gathered in full (FSDP2 shards included) on every rank, plus the step."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {"model": get_model_state_dict(self.model, options=options),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
@@ -121,9 +121,6 @@ class Trainer:
 
     def load_full_state(self, state: dict) -> None:
         """Inverse of ``full_state``: every rank passes the same full state; shards are cut as needed."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
@@ -149,9 +146,6 @@ def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None)
 
 def save_checkpoint(trainer: Trainer, path) -> None:
     """Gather the full state (a collective: every rank calls it); rank 0 alone writes one file."""
-    import torch
-    import torch.distributed as dist
-
     state = trainer.full_state()
     if dist.get_rank() == 0:
         torch.save(state, path)
@@ -160,9 +154,6 @@ def save_checkpoint(trainer: Trainer, path) -> None:
 
 def load_checkpoint(trainer: Trainer, path) -> None:
     """Rank 0 reads the file and broadcasts it; every rank loads the same full state."""
-    import torch
-    import torch.distributed as dist
-
     box = [torch.load(path, weights_only=False) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     trainer.load_full_state(box[0])
@@ -170,8 +161,6 @@ def load_checkpoint(trainer: Trainer, path) -> None:
 
 def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None) -> list[float]:
     """The reference: one process, batch = the ddp replicas' samples of each step, same optimizer."""
-    import torch
-
     inputs, targets = samples if samples is not None else normalized_darcy()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
@@ -183,19 +172,3 @@ def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, sample
         optimizer.step()
         losses.append(loss.item())
     return losses
-
-
-def state_bytes(model, optimizer=None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
-    from .measure import local_bytes
-
-    params = list(model.parameters())
-    out = {
-        "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer state": 0,
-    }
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out["optimizer state"] += sum(local_bytes(v) for v in state.values() if hasattr(v, "numel"))
-    return out

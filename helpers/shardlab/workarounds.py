@@ -1,7 +1,8 @@
 """Every workaround for an upstream PhysicsNeMo behaviour lives here, and only here.
 
 Each one names what it works around; ``tests/test_workarounds.py`` fails as soon as
-upstream no longer needs it, so it can be deleted.
+upstream no longer needs it, so it can be deleted. torch and PhysicsNeMo are imported inside
+the functions: ``launch`` imports this module in notebook kernels that never initialise a rank.
 """
 
 from __future__ import annotations

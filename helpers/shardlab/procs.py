@@ -1,0 +1,227 @@
+"""Process records: which processes shardlab started, so that they, and only they, can be stopped.
+
+On a shared node other people run MPI jobs, and the same user may have a learner's cluster
+open while the tests run. So nothing here matches processes by name:
+
+- every process a cluster or a launched job starts carries ``SHARDLAB_ORIGIN`` in its
+  environment: the origin of the process that started it (a notebook kernel, a test session),
+  inherited by everything that process starts in turn;
+- each cluster writes a record (owner kernel, processes as pid + creation time, profile folder)
+  into a registry folder that belongs to this user alone and is checked before it is trusted.
+
+A later ``start_cluster`` stops the clusters of kernels that died; it ignores records it did
+not write and deletes only profile folders this package created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+ORIGIN = "SHARDLAB_ORIGIN"
+
+
+def user_id() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+# Inherited from the process that started this one, else this process's own (fixed at import).
+_ORIGIN = os.environ.get(ORIGIN) or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def marked_environment() -> dict[str, str]:
+    """The variable to add to the environment of every process shardlab starts."""
+    return {ORIGIN: _ORIGIN}
+
+
+def profile_prefix() -> str:
+    """Name prefix of the profile folders clusters create in the system temp folder (one per user)."""
+    return f"shardlab-{user_id()}-"
+
+
+class UnsafeFolder(RuntimeError):
+    """A folder shardlab would trust belongs to someone else or is open to others; the message says what to do."""
+
+
+def _check_owner_only(path: Path) -> None:
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeFolder(f"{path} is not a plain folder: remove it, shardlab will recreate it.")
+    if info.st_uid != user_id():
+        raise UnsafeFolder(f"{path} belongs to user id {info.st_uid}, not to you ({user_id()}): shardlab will not "
+                           "trust records there. Set SHARDLAB_REGISTRY to a folder of yours.")
+    if info.st_mode & 0o077:
+        raise UnsafeFolder(f"{path} is open to other users (mode {info.st_mode & 0o777:o}): run chmod 700 on it, or "
+                           "remove it.")
+
+
+def registry() -> Path:
+    """This user's registry folder (``$SHARDLAB_REGISTRY``, else one per user in the temp folder), owner-only."""
+    path = Path(os.environ.get("SHARDLAB_REGISTRY") or Path(tempfile.gettempdir()) / f"shardlab-{user_id()}-registry")
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    _check_owner_only(path)
+    return path
+
+
+def same_process(pid: int, created: float) -> psutil.Process | None:
+    """The process recorded as (pid, creation time) if it still runs and is this user's; None otherwise
+    (a recycled pid is not the process we recorded)."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) > 1e-3 or proc.uids().real != user_id():
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def process_tree(pid: int) -> list[tuple[int, float]]:
+    """(pid, creation time) of a process and all its descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+    out = []
+    for p in procs:
+        try:
+            out.append((p.pid, p.create_time()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def alive(processes: list[tuple[int, float]]) -> list[psutil.Process]:
+    """The recorded processes that still run (zombies, which only wait to be reaped, excluded)."""
+    out = []
+    for pid, created in processes:
+        proc = same_process(pid, created)
+        try:
+            if proc is not None and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def stop(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL what is still alive after ``grace_s``."""
+    for proc in procs:
+        try:
+            proc.terminate()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    _, left = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in left:
+        try:
+            proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    psutil.wait_procs(left, timeout=grace_s)
+
+
+def leftover_processes(of_origin: str | None = None) -> list[psutil.Process]:
+    """This user's live processes that shardlab started from ``of_origin`` (default: this process's origin)
+    or from an origin nested in it (``<origin>/...``, e.g. one test of a test session)."""
+    want = of_origin or _ORIGIN
+    me, out = os.getpid(), []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == me or proc.uids().real != user_id() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            theirs = proc.environ().get(ORIGIN, "")
+            if theirs == want or theirs.startswith(want + "/"):
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return out
+
+
+def created_profile_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a profile folder this package created: in the temp folder, with our prefix, ours."""
+    path = Path(path)
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return (path.parent == Path(tempfile.gettempdir()) and path.name.startswith(profile_prefix())
+            and stat.S_ISDIR(info.st_mode) and info.st_uid == user_id())
+
+
+def make_profile_dir(cluster_id: str) -> str:
+    """A new owner-only profile folder for one cluster (connection files hold its encryption keys)."""
+    return tempfile.mkdtemp(prefix=f"{profile_prefix()}{cluster_id}-")  # mkdtemp makes it 0700
+
+
+@dataclass
+class Record:
+    """One cluster's entry in the registry: who owns it, what it started, what it created."""
+
+    cluster_id: str
+    owner_pid: int
+    owner_created: float
+    profile_dir: str
+    processes: list = field(default_factory=list)
+
+    @classmethod
+    def for_this_kernel(cls, cluster_id: str, profile_dir: str) -> Record:
+        me = psutil.Process()
+        return cls(cluster_id, me.pid, me.create_time(), profile_dir)
+
+    @property
+    def path(self) -> Path:
+        return registry() / f"{self.cluster_id}.json"
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f)
+        os.replace(tmp, self.path)  # never a half-written record
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def owner_alive(self) -> bool:
+        return same_process(self.owner_pid, self.owner_created) is not None
+
+    def clean_up(self, grace_s: float = 3.0) -> None:
+        """Stop the recorded processes, delete the profile folder if we created it, drop the record."""
+        stop(alive([tuple(p) for p in self.processes]), grace_s)
+        if created_profile_dir(self.profile_dir):
+            shutil.rmtree(self.profile_dir, ignore_errors=True)
+        self.remove()
+
+
+def _load(path: Path) -> Record | None:
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != user_id():
+            return None
+        return Record(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def clean_stale_clusters() -> int:
+    """Stop the clusters of this user's kernels that are gone; return how many were cleaned."""
+    cleaned = 0
+    for path in registry().glob("*.json"):
+        record = _load(path)
+        if record is None:
+            continue  # not a record we wrote: leave it alone
+        if not record.owner_alive():
+            record.clean_up()
+            cleaned += 1
+    return cleaned

@@ -1,0 +1,69 @@
+"""Run a notebook of the series top to bottom, as nbmake does, and rehearse its exercises on the way.
+
+Before each solution cell runs, the check cell after it is run against the learner's possible
+answers, in the same kernel and on the same ranks: the blank handout answer (``name = ...``) must
+fail with "not answered yet", and every plausible wrong answer listed in the solution cell's
+metadata (``shardlab.wrong_answers``) must fail too. Then the real solution and its check run, and
+the notebook goes on. One run covers the instructor copy and the handout, with no work done twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from shardlab.handout import SOLUTION_TAG, blank_source, wrong_answers
+
+
+@dataclass
+class Rehearsal:
+    """What one learner answer did to an exercise's check."""
+
+    cell: int
+    answer: str  # "blank" or the wrong answer's reason
+    ename: str | None
+    evalue: str
+
+
+@dataclass
+class NotebookRun:
+    path: Path
+    rehearsals: list[Rehearsal] = field(default_factory=list)
+
+
+def _run(client: NotebookClient, cell, index: int) -> tuple[str | None, str]:
+    """Execute one cell; (exception name, message) if it failed, else (None, "")."""
+    try:
+        client.execute_cell(cell, index)
+    except CellExecutionError as error:
+        return error.ename, error.evalue
+    return None, ""
+
+
+def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env: dict | None = None) -> NotebookRun:
+    """Execute every cell of ``path`` (a failing cell raises CellExecutionError, as under nbmake) and
+    return what each rehearsed answer did to its check."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab",
+                            resources={"metadata": {"path": str(path.parent)}})
+    run = NotebookRun(path)
+    with client.setup_kernel(**({"env": env} if env is not None else {})):
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            if rehearse and SOLUTION_TAG in cell.metadata.get("tags", []):
+                check = nb.cells[index + 1]
+                answers = [("blank", blank_source(cell.source))]
+                answers += [(wrong["why"], wrong["source"]) for wrong in wrong_answers(cell)]
+                for why, source in answers:
+                    attempt = copy.deepcopy(cell) | {"source": source}
+                    _run(client, nbformat.from_dict(attempt), index)
+                    ename, evalue = _run(client, copy.deepcopy(check), index + 1)
+                    run.rehearsals.append(Rehearsal(index, why, ename, evalue))
+            client.execute_cell(cell, index)
+    return run

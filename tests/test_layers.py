@@ -1,0 +1,54 @@
+"""The helpers' import graph follows the documented layers: no cycle, no upward import.
+
+Run on its own with ``python -m pytest tests/test_layers.py``. Every ``import`` in every module
+counts, including those inside functions, so a cycle cannot hide in a function body.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shardlab
+
+PACKAGE = Path(shardlab.__file__).parent
+LAYER_OF = {name: i for i, layer in enumerate(shardlab.LAYERS) for name in layer}
+
+
+def shardlab_imports(path: Path) -> set[str]:
+    """The shardlab modules a file imports, wherever the import statement sits."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:  # from .mesh import x
+                found.add(node.module.split(".")[0])
+            elif node.level == 1:  # from . import mesh, procs
+                found |= {alias.name for alias in node.names}
+            elif node.module and node.module.startswith("shardlab."):
+                found.add(node.module.split(".")[1])
+            elif node.module == "shardlab":
+                found |= {alias.name for alias in node.names if alias.name in LAYER_OF}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("shardlab.")}
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert modules == set(LAYER_OF), f"put {sorted(modules ^ set(LAYER_OF))} in shardlab.LAYERS"
+
+
+@pytest.mark.parametrize("module", sorted(LAYER_OF))
+def test_imports_only_lower_layers(module):
+    upward = {other: LAYER_OF[other] for other in shardlab_imports(PACKAGE / f"{module}.py")
+              if LAYER_OF[other] >= LAYER_OF[module]}
+    assert not upward, (f"{module} (layer {LAYER_OF[module] + 1}) imports {upward} from its own or a higher layer: "
+                        "move the shared piece down, or this module up")
+
+
+def test_every_import_form_is_seen_even_inside_functions(tmp_path):
+    source = tmp_path / "planted.py"
+    source.write_text("from .mesh import build_mesh\nfrom . import procs, report\nimport shardlab.plot\n"
+                      "from shardlab.cluster import MPICluster\nfrom shardlab import check\n"
+                      "def later():\n    from .train import train\n    import shardlab.smoke as smoke\n")
+    assert shardlab_imports(source) == {"mesh", "procs", "report", "plot", "cluster", "check", "train", "smoke"}

@@ -1,0 +1,34 @@
+"""Every notebook of the series runs top to bottom on CPU ranks, and every exercise check rejects the
+blank handout answer ("not answered yet") and each plausible wrong answer kept with its solution.
+
+`pytest --nbmake notebooks/` runs the same notebooks without the rehearsals; this test is what
+`make test` runs, so that no notebook executes twice."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from notebook_runner import run_notebook
+from shardlab.handout import SOLUTION_TAG
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def solution_cells(path: Path) -> list[int]:
+    cells = nbformat.read(path, as_version=4).cells
+    return [i for i, cell in enumerate(cells) if SOLUTION_TAG in cell.metadata.get("tags", [])]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_its_checks_reject_wrong_answers(path, no_leftovers):
+    run = run_notebook(path)
+    assert {r.cell for r in run.rehearsals} == set(solution_cells(path)), "an exercise was not rehearsed"
+    for r in run.rehearsals:
+        where = f"{path.name} cell {r.cell} ({r.answer} answer)"
+        assert r.ename == "NotSolved", f"{where}: the check accepted it or failed with {r.ename}: {r.evalue[:300]}"
+        if r.answer == "blank":
+            assert "not answered yet" in r.evalue, f"{where}: {r.evalue[:300]}"
+        else:
+            assert "not answered yet" not in r.evalue, f"{where}: a wrong answer is still an answer: {r.evalue[:300]}"
