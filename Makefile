@@ -15,7 +15,7 @@ LOCK_CMD   := uv pip compile requirements.in --generate-hashes --python-version 
 # without it, packages already in requirements.txt keep their versions where requirements.in still allows them.
 LOCK_ARGS  ?=
 
-.PHONY: lab test test-fast lint handout env lock clean-env
+.PHONY: lab test test-fast gpu-check lint handout env lock clean-env
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -27,6 +27,10 @@ test: $(STAMP)
 # What needs no ranks, no notebooks and no browser: the loop to run after every change (seconds).
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m unit -n 2
+
+# On a GPU node: what only GPUs prove (NCCL, CUDA engines, allocator peaks, compiled speed); exits 0 without a GPU.
+gpu-check: $(STAMP)
+	$(VENV)/bin/python -m shardlab.gpucheck --json test-artifacts/gpu-check.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

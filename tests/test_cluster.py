@@ -6,6 +6,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import shardlab as sl
 from shardlab import cluster as cl
@@ -25,8 +26,6 @@ def test_bad_arguments_say_what_to_change(kwargs, error, match):
 
 
 def test_more_cuda_engines_than_gpus_says_how_to_get_cpu_ranks():
-    import torch
-
     gpus = torch.cuda.device_count()
     with pytest.raises(cl.ClusterError, match=rf"n={gpus + 1} engines with device='cuda', but only {gpus} GPU\(s\) "
                                               rf"are visible.*device='cpu' for {gpus + 1} CPU ranks"):
@@ -36,7 +35,7 @@ def test_more_cuda_engines_than_gpus_says_how_to_get_cpu_ranks():
 @pytest.mark.parametrize("value, expected", [("2", 2), ("8", 8)])
 def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
     monkeypatch.setenv("SHARDLAB_RANKS", value)
-    assert cl.default_engine_count()[0] == expected
+    assert cl.default_engine_count() == expected
     assert cl.MPICluster().n == expected
 
 
@@ -44,6 +43,13 @@ def test_bad_shardlab_ranks_says_what_to_set(monkeypatch):
     monkeypatch.setenv("SHARDLAB_RANKS", "four")
     with pytest.raises(cl.ClusterError, match=r"SHARDLAB_RANKS='four' is not a whole number"):
         cl.default_engine_count()
+
+
+def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert "CUDA_VISIBLE_DEVICES" not in cl.engine_environment("cuda")  # inherited: engines use GPUs 4-7
+    assert cl.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert cl.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
 
 
 class _Answers:

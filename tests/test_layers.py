@@ -15,14 +15,14 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYER_OF = {name: i for i, layer in enumerate(shardlab.LAYERS) for name in layer}
 
 
-def shardlab_imports(path: Path) -> set[str]:
-    """The shardlab modules a file imports, wherever the import statement sits."""
+def shardlab_imports(path: Path, depth: int = 1) -> set[str]:
+    """The shardlab modules a file imports, wherever the import statement sits (``depth`` 2: a subpackage's file)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from .mesh import x
+            if node.level == depth and node.module:  # from .mesh import x (from ..mesh in a subpackage)
                 found.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import mesh, procs
+            elif node.level == depth:  # from . import mesh, procs
                 found |= {alias.name for alias in node.names}
             elif node.module and node.module.startswith("shardlab."):
                 found.add(node.module.split(".")[1])
@@ -33,15 +33,22 @@ def shardlab_imports(path: Path) -> set[str]:
     return found
 
 
+def module_imports(module: str) -> set[str]:
+    """What a module imports; for a subpackage, what any of its files imports from outside it."""
+    if (PACKAGE / module).is_dir():
+        return set().union(*(shardlab_imports(p, depth=2) for p in (PACKAGE / module).glob("*.py")))
+    return shardlab_imports(PACKAGE / f"{module}.py")
+
+
 def test_every_module_is_in_a_layer():
     modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert modules == set(LAYER_OF), f"put {sorted(modules ^ set(LAYER_OF))} in shardlab.LAYERS"
 
 
 @pytest.mark.parametrize("module", sorted(LAYER_OF))
 def test_imports_only_lower_layers(module):
-    upward = {other: LAYER_OF[other] for other in shardlab_imports(PACKAGE / f"{module}.py")
-              if LAYER_OF[other] >= LAYER_OF[module]}
+    upward = {other: LAYER_OF[other] for other in module_imports(module) if LAYER_OF[other] >= LAYER_OF[module]}
     assert not upward, (f"{module} (layer {LAYER_OF[module] + 1}) imports {upward} from its own or a higher layer: "
                         "move the shared piece down, or this module up")
 

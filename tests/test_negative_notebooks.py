@@ -42,3 +42,10 @@ def test_rank_skipping_a_collective_fails_within_the_timeout(tmp_path, no_leftov
     assert "rank(s) [0] timed out in a collective waiting for rank(s) [1]" in out
     # It was the collective's 10 s timeout that ended the wait, not nbmake's cell timeout (200 s) or ours (240 s).
     assert "CellTimeoutError" not in out and "Timeout waiting for execute reply" not in out
+
+
+def test_cell_slower_than_cell_timeout_fails_naming_the_busy_rank(tmp_path, no_leftovers):
+    code, out, _ = run_nbmake("slower_than_cell_timeout.ipynb", tmp_path)
+    assert code == 1, out[-3000:]
+    assert "rank(s) [1] did not finish within 5 s (cell_timeout_s)" in out, out[-3000:]
+    assert "CellTimeoutError" not in out

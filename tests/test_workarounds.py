@@ -58,11 +58,40 @@ def test_1936_workaround_gives_a_gloo_group():
         with cpu_safe_process_group_init(datetime.timedelta(seconds=10)):
             DistributedManager.initialize()
         print("BACKEND", dist.get_backend())
+        import os
+        print("NCCL", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
         """,
         **_single_rank_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BACKEND gloo" in result.stdout
+    assert "NCCL 0 None" in result.stdout, (
+        "upstream no longer sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in DistributedManager.initialize(): delete "
+        "nccl_errors_raise from shardlab/workarounds.py (check that a skipped NCCL collective raises without it)"
+    )
+
+
+def test_nccl_workaround_is_in_place_when_the_group_is_created():
+    result = _run(
+        """
+        import datetime, os
+        import torch.distributed as dist
+        from physicsnemo.distributed import DistributedManager
+        from shardlab import workarounds
+        seen = {}
+        real = dist.init_process_group
+        def spy(*args, **kwargs):  # what the environment holds at the moment the group is created
+            seen.update({k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")})
+            return real(*args, **kwargs)
+        dist.init_process_group = spy
+        with workarounds.cpu_safe_process_group_init(datetime.timedelta(seconds=10)), workarounds.nccl_errors_raise():
+            DistributedManager.initialize()
+        print("SEEN", seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"], seen["TORCH_NCCL_BLOCKING_WAIT"])
+        """,
+        **_single_rank_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SEEN 2 1" in result.stdout, result.stdout
 
 
 def test_shard_ops_still_unregistered_on_cpu_upstream():

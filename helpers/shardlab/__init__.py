@@ -10,7 +10,9 @@ checks every import, including those inside functions, against this list.
 4. ``train``: wrappers, the Trainer, checkpoints
 5. ``measure`` (bytes and collectives, measured live), ``plot`` (figures)
 6. ``cluster`` (ipyparallel engines behind ``%%px``), ``check`` (exercise checks)
-7. command-line tools: ``smoke``, ``bench``, ``handout``
+7. ``exercises``: the answer key, one module of judges per notebook
+8. command-line tools: ``smoke``, ``bench``, ``handout``
+9. ``gpucheck``: runs the tools above on a GPU node
 
 Submodules load on first use: a rank that only needs ``shardlab.launch`` does not import
 matplotlib, and a notebook kernel does not import PhysicsNeMo until it asks for something that
@@ -26,7 +28,9 @@ LAYERS = (
     ("train",),
     ("measure", "plot"),
     ("cluster", "check"),
+    ("exercises",),
     ("smoke", "bench", "handout"),
+    ("gpucheck",),
 )
 _MODULES = {name for layer in LAYERS for name in layer}
 _SHORTCUTS = {

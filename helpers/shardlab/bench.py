@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .cluster import MPICluster
+from .cluster import MPICluster, engine_environment
 from .launch import clean_environment, free_port, job_command, mpi_environment
 
 # The per-rank work of a cluster start, without the cluster: rank 0 prints the slowest rank's phases.
@@ -41,7 +41,7 @@ launch.shutdown_distributed()
 WORKLOAD = """
 import time, shardlab as sl
 mesh = sl.build_mesh(ddp=-1, domain=2)
-trainer = sl.train.Trainer(sl.models.conv_stack(seed=0), mesh, "ddp")
+trainer = sl.train.Trainer(sl.models.conv_stack(seed=0).to(sl.launch.default_device()), mesh, "ddp")
 trainer.step()  # warm-up: first-call costs are not the workload
 t0 = time.perf_counter()
 for _ in range(5):
@@ -53,12 +53,12 @@ TORCHRUN_SCRIPT = "import shardlab as sl\nsl.init_distributed(60)\n" + WORKLOAD 
     "sl.launch.shutdown_distributed()\n")
 
 
-def _run_script(launcher: str, n: int, code: str, marker: str) -> tuple[float, str]:
-    """(wall seconds, the text rank 0 printed after ``marker``) for ``code`` as a script on n ranks."""
+def _run_script(launcher: str, n: int, code: str, marker: str, device: str) -> tuple[float, str]:
+    """(wall seconds, the text rank 0 printed after ``marker``) for ``code`` as a script on n ranks of ``device``."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "script.py"
         script.write_text(code)
-        env = clean_environment(**mpi_environment(), CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1",
+        env = clean_environment(**mpi_environment(), **engine_environment(device), MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(free_port()))
         t0 = time.perf_counter()
         proc = subprocess.run(job_command(launcher, n, str(script)), capture_output=True, text=True, timeout=600,
@@ -71,8 +71,9 @@ def _run_script(launcher: str, n: int, code: str, marker: str) -> tuple[float, s
 
 def run(n: int = 4) -> list[dict]:
     rows = []
-    same_work_s, phases = _run_script("openmpi", n, SAME_WORK, "PHASES")
-    with MPICluster(n=n, device="cpu") as cluster:
+    cluster = MPICluster(n=n)  # one engine per GPU where there are enough, else CPU ranks; scripts alike
+    same_work_s, phases = _run_script("openmpi", n, SAME_WORK, "PHASES", cluster.device)
+    with cluster:
         start_s = cluster.start_seconds
         cluster_phases = cluster.timings
         rank_phases = {k: max(s["phases"][k] for s in cluster.states) for k in cluster.states[0]["phases"]}
@@ -80,7 +81,7 @@ def run(n: int = 4) -> list[dict]:
         cluster.run(WORKLOAD, timeout_s=300, what="run the workload")
         px_wall = time.perf_counter() - t0
         px_workload = max(cluster.view.pull("workload_s"))
-    torchrun_wall, torchrun_workload = _run_script("torchrun", n, TORCHRUN_SCRIPT, "WORKLOAD")
+    torchrun_wall, torchrun_workload = _run_script("torchrun", n, TORCHRUN_SCRIPT, "WORKLOAD", cluster.device)
     torchrun_workload = float(torchrun_workload)
 
     rows.append({"measurement": f"mpiexec -n {n} script: launch + DistributedManager + ShardTensor ops",

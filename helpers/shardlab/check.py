@@ -1,7 +1,13 @@
 """Exercise checks: say what is right and what is wrong, per rank where it matters.
 
-Every notebook from ``01_launchers`` on ends with exercises; each answer cell sets ``answer``
-and the next cell calls one of these. A blank answer (``...``) fails with "not answered yet".
+Every notebook from ``01_launchers`` on ends with exercises; each answer cell sets ``answer`` (or
+the names the exercise asks for) and the next cell calls one of these. A blank answer (``...``)
+fails with "not answered yet".
+
+A check judges behaviour, not a constant: ``on_ranks`` runs a judge on every rank, next to the
+learner's own objects (their local shards, placements, gradients), and the judge works out what
+is right from that rank's state. A judge returns None when the answer is right, or a sentence
+saying what is wrong without giving the answer away.
 """
 
 from __future__ import annotations
@@ -40,19 +46,58 @@ def answer(got, expected, what: str, hint: str = "") -> None:
 
 
 def per_rank(got: list, expected: list, what: str, hint: str = "") -> None:
-    """One answer per rank (``cluster.view.pull("answer")``), each against that rank's expected value."""
+    """One answer per rank (``cluster.view.pull("answer")``), each against that rank's expected value.
+
+    A wrong rank is named with what it answered, never with the expected value."""
     if len(got) != len(expected):
         raise NotSolved(f"{what}: {len(got)} answers for {len(expected)} ranks; set `answer` in a %%px cell.")
-    wrong = []
-    for rank, (g, e) in enumerate(zip(got, expected)):
-        ok = not _blank(g) and _same(g, e)
-        print(f"{'✓' if ok else '✗'} rank {rank}: {what} = {g!r}" + ("" if ok else f" (expected {e!r})"))
-        if not ok:
-            wrong.append(rank)
+    _report([None if not _blank(g) and _same(g, e) else ("blank" if _blank(g) else f"{g!r} is not right")
+             for g, e in zip(got, expected)], what, hint)
+
+
+def _report(verdicts: list, what: str, hint: str) -> None:
+    """Print one line per rank; raise NotSolved naming the wrong ranks (or saying nothing was answered)."""
+    for rank, verdict in enumerate(verdicts):
+        said = "" if verdict is None else ": not answered yet" if verdict == "blank" else f": {verdict}"
+        print(f"{'✓' if verdict is None else '✗'} rank {rank}: {what}{said}")
+    if all(v == "blank" for v in verdicts):
+        raise NotSolved(f"{what}: not answered yet on any rank.")
+    wrong = [rank for rank, v in enumerate(verdicts) if v is not None]
     if wrong:
-        blank = all(_blank(g) for g in got)
-        reason = "not answered yet" if blank else f"wrong on rank(s) {wrong}"
-        raise NotSolved(f"{what}: {reason}. {'' if blank else hint}".strip())
+        first = next((v for v in verdicts if v not in (None, "blank")), "not answered yet")
+        raise NotSolved(f"{what}: wrong on rank(s) {wrong}: {first}. {hint}".strip())
+
+
+def _judge_here(judge, *values):
+    """Runs on a rank: the judge's verdict on that rank's values ("blank" if any is still ``...``)."""
+    if any(_blank(v) for v in values):
+        return "blank"
+    try:
+        return judge(*values)
+    except Exception as error:  # the learner's object broke the judge: that is a wrong answer, said plainly
+        return f"checking it raised {type(error).__name__}: {error}"
+
+
+def on_ranks(cluster, judge, *names: str, what: str, hint: str = "") -> None:
+    """Judge, on every rank, the learner's objects called ``names`` (``judge(*objects)`` runs where they live).
+
+    ``judge`` returns None when the answer is right on that rank, or a sentence saying what is wrong;
+    it computes what is right from the rank's own state, so nothing in the check cell gives it away.
+    """
+    from ipyparallel import Reference
+
+    verdicts = cluster.view.apply_sync(_judge_here, judge, *(Reference(name) for name in names))
+    _report(verdicts, what, hint)
+
+
+def judged(judge, *values, what: str, hint: str = "") -> None:
+    """One answer in this kernel, judged by ``judge(*values)`` like ``on_ranks`` does on the ranks."""
+    verdict = _judge_here(judge, *values)
+    if verdict == "blank":
+        raise NotSolved(f"{what}: not answered yet.")
+    if verdict is not None:
+        raise NotSolved(f"{what}: {verdict}. {hint}".strip())
+    print(f"✓ {what}")
 
 
 def at_most(got, bound: float, what: str, hint: str = "") -> None:

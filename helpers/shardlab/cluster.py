@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import ipyparallel as ipp
+import torch
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from ipyparallel.error import AlreadyDisplayedError, CompositeError, EngineError
 
@@ -42,22 +43,26 @@ class ClusterError(RuntimeError):
     """The cluster could not start or a rank did not answer; the message names the rank and what to do."""
 
 
-def default_engine_count() -> tuple[int, str]:
-    """(engines, device): ``$SHARDLAB_RANKS`` if set, else one engine per visible GPU when there are two
-    or more, else 4 CPU ranks."""
-    import torch
+def engine_environment(device: str) -> dict[str, str]:
+    """What every engine's environment gets on top of the kernel's. CUDA engines keep the kernel's
+    CUDA_VISIBLE_DEVICES (a learner given GPUs 4-7 gets engines on exactly those: local rank r uses
+    the r-th visible GPU); CPU engines see no GPU at all."""
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+    return launch.mpi_environment() | procs.marked_environment() | hidden
 
-    gpus = torch.cuda.device_count()
-    device = "cuda" if gpus >= 2 else "cpu"
+
+def default_engine_count() -> int:
+    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else one engine per visible GPU
+    when there are two or more, else 4 CPU ranks."""
     chosen = os.environ.get("SHARDLAB_RANKS")
     if chosen:
         try:
-            n = int(chosen)
+            return int(chosen)
         except ValueError:
             raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number: set it to the number of ranks, "
                                "e.g. SHARDLAB_RANKS=2, or unset it.") from None
-        return n, ("cuda" if device == "cuda" and n <= gpus else "cpu")
-    return (gpus, device) if device == "cuda" else (4, "cpu")
+    gpus = torch.cuda.device_count()
+    return gpus if gpus >= 2 else 4
 
 
 class MPICluster:
@@ -69,8 +74,13 @@ class MPICluster:
     def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None,
                  engines: str = "mpi", controller_ip: str = "127.0.0.1"):
-        auto_n, auto_device = default_engine_count()
-        self.device = auto_device if device == "auto" else device
+        self.n = default_engine_count() if n is None else n
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
+        gpus = torch.cuda.device_count()
+        if device == "auto":  # one engine per GPU when there are enough GPUs for every engine, else CPU ranks
+            device = "cuda" if 2 <= self.n <= gpus else "cpu"
+        self.device = device
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'.")
         if engines not in ("mpi", "slurm"):
@@ -80,18 +90,11 @@ class MPICluster:
                              "address) so they can reach the controller. CurveZMQ still encrypts the traffic.")
         self.engines = engines
         self.controller_ip = controller_ip
-        self.n = auto_n if n is None else n
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
-        if self.device == "cuda":
-            import torch
-
-            gpus = torch.cuda.device_count()
-            if self.n > gpus:
-                raise ClusterError(
-                    f"n={self.n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
-                    f"use one engine per GPU (n={gpus or 'None'}), or device='cpu' for {self.n} CPU ranks."
-                )
+        if self.device == "cuda" and self.n > gpus:
+            raise ClusterError(
+                f"n={self.n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
+                f"use one engine per GPU (n={gpus or 'None'}), or device='cpu' for {self.n} CPU ranks."  # CPU-only
+            )
         self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
         self.start_timeout_s = start_timeout_s
         self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
@@ -116,8 +119,7 @@ class MPICluster:
         Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
         self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir)
         self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
-        marker = procs.marked_environment()
-        env = launch.mpi_environment() | marker | ({"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {})
+        env = engine_environment(self.device)
         mpiexec = launch.find_mpiexec() if self.engines == "mpi" else None
         self._cluster = ipp.Cluster(
             engines=RankEngineSetLauncher if self.engines == "mpi" else self.engines, n=self.n,
@@ -133,7 +135,7 @@ class MPICluster:
             path = str(Path(mpiexec).parent) + os.pathsep + os.environ.get("PATH", "")
             cfg.MPIEngineSetLauncher.environment = env | {"PATH": path}
         cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
-        cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"} | marker
+        cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"} | procs.marked_environment()
 
         note = launch.oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
         if note:
@@ -215,19 +217,49 @@ class MPICluster:
         """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
         return self.wait(self.view.execute(code, block=False), timeout_s, what)
 
-    def activate(self, progress: bool = False) -> MPICluster:
-        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary."""
+    def activate(self, progress: bool = False, cell_timeout_s: float | None = None) -> MPICluster:
+        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary.
+
+        With ``cell_timeout_s``, a ``%%px`` cell that has not finished on every rank after that many
+        seconds fails, naming the ranks still busy, instead of waiting for ever.
+        """
         from IPython import get_ipython
 
         ip = get_ipython()
-        self._activated = {"progress": progress}
+        self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
         if ip is None:
             return self
         self.view.block = True
+        if cell_timeout_s is not None:
+            self.view.execute = self._with_deadline(self.view.execute, cell_timeout_s)
         self.view.activate()
         ip.run_line_magic("pxconfig", "--no-stream" + ("" if progress else " --progress-after -1"))
         self._install_error_summary(ip)
         return self
+
+    def _with_deadline(self, execute, timeout_s: float):
+        """``view.execute`` whose results give up waiting after ``timeout_s``: what ``%%px`` waits on."""
+        targets = list(self.client.ids)
+
+        def execute_with_deadline(*args, **kwargs):
+            result = execute(*args, **kwargs)
+            get = result.get
+
+            def get_with_deadline(timeout=None, **options):
+                try:
+                    return get(timeout=timeout_s if timeout is None else timeout, **options)
+                except ipp.error.TimeoutError:
+                    busy = [rank for rank, part in zip(targets, result.split()) if not part.ready()]
+                    raise ClusterError(
+                        f"%%px: rank(s) {busy} did not finish within {timeout_s:.0f} s (cell_timeout_s). If they "
+                        "wait in a collective, another rank never joined it. Interrupt the kernel to send them "
+                        "SIGINT, or cluster.restart() for fresh ranks."
+                    ) from None
+
+            result.get = get_with_deadline
+            return result
+
+        return execute_with_deadline
 
     def _install_error_summary(self, ip) -> None:
         """Put a per-rank summary above the tracebacks of a failing ``%%px`` cell (the cell still fails).
@@ -297,7 +329,7 @@ class MPICluster:
 
 
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
-                  activate: bool = True, **options) -> MPICluster:
+                  activate: bool = True, cell_timeout_s: float | None = None, **options) -> MPICluster:
     """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
     ``%%px`` run on all of them.
 
@@ -305,5 +337,5 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     allocation (ipyparallel submits the engines with sbatch + srun).
     """
     cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, **options).start()
-    return cluster.activate() if activate else cluster
+    return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster
 

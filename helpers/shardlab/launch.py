@@ -324,7 +324,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         with warnings.catch_warnings():
             # Single-process runs make PhysicsNeMo warn that no launcher was found; we report that ourselves.
             warnings.filterwarnings("ignore", message="Could not initialize using ENV")
-            with workarounds.cpu_safe_process_group_init(timeout):
+            with workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise():
                 DistributedManager.initialize()
         phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
         if not torch.cuda.is_available():
@@ -340,6 +340,18 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         world_size=manager.world_size, device=str(manager.device), backend=backend,
         timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(), phases=phases,
     )
+
+
+def default_device():
+    """The device this process computes on: its rank's device once DistributedManager is initialised,
+    else the first accelerator, else the CPU."""
+    import torch
+    from physicsnemo.distributed import DistributedManager
+
+    if DistributedManager.is_initialized():
+        return DistributedManager().device
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")  # CPU-only: none
 
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:

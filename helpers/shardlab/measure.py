@@ -5,6 +5,7 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -18,7 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .data import load_darcy
-from .launch import clean_environment, detect_launch, init_distributed, shutdown_distributed, torchrun_command
+from .launch import (
+    clean_environment,
+    default_device,
+    detect_launch,
+    init_distributed,
+    shutdown_distributed,
+    torchrun_command,
+)
 from .mesh import build_mesh, domain_source
 from .models import conv_stack
 from .train import train
@@ -45,6 +53,65 @@ def state_bytes(model, optimizer=None) -> dict[str, int]:
         for state in optimizer.state.values():
             out["optimizer state"] += sum(local_bytes(v) for v in state.values() if hasattr(v, "numel"))
     return out
+
+
+def synchronize(device) -> None:
+    """Wait for the device to finish its queued work (a no-op on CPU): timings and peaks need it on GPUs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DevicePeak:
+    """The CUDA caching allocator's peak on this rank's GPU inside ``with``: allocated and reserved bytes.
+
+    On a GPU it resets the peak counters on entry and reads them on exit (``measured`` is True).
+    On a CPU rank there is no allocator to read: ``measured`` is False and the byte counts of
+    ``SavedActivations`` and ``state_bytes`` are what a GPU figure is later checked against.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.measured = self.device.type == "cuda"
+        self.start_allocated = self.peak_allocated = self.peak_reserved = 0
+
+    def __enter__(self):
+        if self.measured:
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_allocated = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.measured:
+            synchronize(self.device)
+            self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
+            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
+
+    @property
+    def peak_above_start(self) -> int:
+        """Bytes allocated at the peak beyond what was allocated on entry: what the region itself needed."""
+        return self.peak_allocated - self.start_allocated
+
+    def as_row(self) -> dict:
+        return {"measured": self.measured, "peak allocated": self.peak_allocated,
+                "peak above start": self.peak_above_start, "peak reserved": self.peak_reserved}
+
+
+@contextlib.contextmanager
+def strict_fp32():
+    """Inside ``with``: full fp32 matmuls and convolutions (no TF32), restored on exit.
+
+    Recent GPUs run fp32 convolutions (and, if enabled, matmuls) in TF32, about 1e-3 relative: an
+    assert at 1e-5 between a sharded and a single-device result would compare TF32 rounding. CPUs
+    have no TF32, so the same cell runs unchanged on CPU ranks.
+    """
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 class SavedActivations:
@@ -108,11 +175,13 @@ def collective_bytes() -> CollectiveBytes:
     return CollectiveBytes()
 
 
-def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2) -> dict[int, int]:
+def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2, peaks: dict | None = None
+                                    ) -> dict[int, int]:
     """On this rank: bytes saved for backward by ``model(field)`` with the field sharded over N domain ranks.
 
-    Call on every rank together; for each N it builds a (world/N, N) mesh and scatters the field
-    along ``dim`` (N = 1 runs the plain tensor).
+    Call on every rank together; for each N it builds a (world/N, N) mesh on the field's device and
+    scatters the field along ``dim`` (N = 1 runs the plain tensor). Pass a dict as ``peaks`` to also
+    get, per N, the CUDA allocator's peak around the forward (``DevicePeak.as_row()``; not measured on CPU).
     """
     from physicsnemo.domain_parallel import scatter_tensor
 
@@ -126,9 +195,11 @@ def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2)
         else:
             mesh = init_device_mesh(field.device.type, (world // n, n), mesh_dim_names=("ddp", "domain"))
             x = scatter_tensor(field, domain_source(mesh), mesh["domain"], (Shard(dim),))
-        with SavedActivations(exclude=model.parameters()) as saved:
+        with DevicePeak(field.device) as peak, SavedActivations(exclude=model.parameters()) as saved:
             model(x)
         result[n] = saved.bytes
+        if peaks is not None:
+            peaks[n] = peak.as_row()
     return result
 
 
@@ -164,15 +235,19 @@ def activation_memory_table(args) -> dict:
     state = init_distributed(args.timeout)
     field = load_darcy(samples=1)["permeability"].to(state.device)
     model = conv_stack(width=args.width, layers=args.layers, kernel_size=args.kernel_size).to(state.device)
-    everyone = _gather_rows(activation_bytes_by_domain_size(model, field, sizes=args.sizes))
-    base = max(r[args.sizes[0]] for r in everyone)
+    peaks: dict = {}
+    everyone = _gather_rows({"saved": activation_bytes_by_domain_size(model, field, sizes=args.sizes, peaks=peaks),
+                             "peaks": peaks})
+    base = max(r["saved"][args.sizes[0]] for r in everyone)
     rows = []
     for n in args.sizes:
-        largest = max(r[n] for r in everyone)
+        largest = max(r["saved"][n] for r in everyone)
         ideal = ideal_activation_ratio(n, field.shape[2], args.kernel_size) / ideal_activation_ratio(
             args.sizes[0], field.shape[2], args.kernel_size)
         rows.append({"N": n, "bytes_max_rank": largest, "ratio": largest / base, "ideal_1/N+halo": ideal,
                      "ideal_1/N": args.sizes[0] / n, "ratio/ideal": largest / base / ideal})
+        if everyone[0]["peaks"][n]["measured"]:  # a GPU: the allocator's peak beside the byte count
+            rows[-1]["cuda_peak_above_start_max_rank"] = max(r["peaks"][n]["peak above start"] for r in everyone)
     return {"title": f"activation memory per rank: bytes saved for backward by conv_stack(width={args.width}, "
                      f"layers={args.layers}, kernel_size={args.kernel_size}) on a 1x1x64x64 Darcy field, fp32; "
                      f"ratio = largest rank's bytes at N / at N={args.sizes[0]}",
@@ -188,13 +263,19 @@ def state_memory_table(args) -> dict:
         mesh = build_mesh(ddp=ddp, domain=-1)
         mine = {}
         for how in ("ddp", "fsdp2"):
-            run = train(conv_stack(width=args.width, layers=args.layers, seed=0).to(state.device), mesh, how, steps=2)
+            with DevicePeak(state.device) as peak:
+                run = train(conv_stack(width=args.width, layers=args.layers, seed=0).to(state.device), mesh, how,
+                            steps=2)
             mine[how] = sum(state_bytes(run.model, run.optimizer).values())
+            mine[f"{how} peak"] = peak.peak_above_start if peak.measured else None
         everyone = _gather_rows(mine)
         ddp_bytes, fsdp_bytes = (max(r[k] for r in everyone) for k in ("ddp", "fsdp2"))
         rows.append({"ddp_size": ddp, "DDP_bytes_max_rank": ddp_bytes, "FSDP2_bytes_max_rank": fsdp_bytes,
                      "FSDP2/DDP": fsdp_bytes / ddp_bytes, "ideal_1/ddp": 1 / ddp,
                      "ratio/ideal": fsdp_bytes / ddp_bytes * ddp})
+        if mine["ddp peak"] is not None:  # a GPU: the allocator's peaks over the two training steps
+            rows[-1] |= {f"cuda_peak_{how}_max_rank": max(r[f"{how} peak"] for r in everyone)
+                         for how in ("ddp", "fsdp2")}
     return {"title": f"parameters + gradients + Adam state per rank (local shards), conv_stack(width={args.width}, "
                      f"layers={args.layers}); FSDP2 on the ddp mesh vs DDP, domain = world / ddp",
             "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
@@ -203,13 +284,16 @@ def state_memory_table(args) -> dict:
 
 def compile_speed_table(args) -> dict:
     """One process: compiled / eager forward+backward step time of a conv stack, interleaved repeats."""
-    model = conv_stack(width=args.width, layers=args.layers, seed=0)
-    compiled = torch.compile(conv_stack(width=args.width, layers=args.layers, seed=0), dynamic=False)
-    x = torch.randn(1, 1, 64, 64)
+    device = default_device()
+    model = conv_stack(width=args.width, layers=args.layers, seed=0).to(device)
+    compiled = torch.compile(conv_stack(width=args.width, layers=args.layers, seed=0).to(device), dynamic=False)
+    x = torch.randn(1, 1, 64, 64, device=device)
 
     def step(m) -> float:
+        synchronize(device)
         t0 = time.perf_counter()
         m(x).square().mean().backward()
+        synchronize(device)
         return time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -224,8 +308,9 @@ def compile_speed_table(args) -> dict:
     rows = [{"eager_step_s": med(eager), "compiled_step_s": med(comp), "compiled/eager": med(comp) / med(eager),
              "first_call_s": compile_s, "repeats": args.repeats}]
     return {"title": f"compile speed, one process, conv_stack(width={args.width}, layers={args.layers}) on 1x1x64x64, "
-                     f"forward+backward, median of interleaved repeats; CPU timing, not a GPU claim",
-            "rank": 0, "world_size": 1, "backend": None, "device": "cpu", "rows": rows}
+                     "forward+backward, median of interleaved repeats"
+                     + ("" if device.type == "cuda" else "; CPU timing, not a GPU claim"),
+            "rank": 0, "world_size": 1, "backend": None, "device": str(device), "rows": rows}
 
 
 TABLES = {

@@ -75,6 +75,10 @@ class Trainer:
     """
 
     def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None):
+        self.device = next(model.parameters()).device
+        if self.device.type != mesh.device_type:
+            raise ValueError(f"the model is on {self.device.type} but the mesh on {mesh.device_type}: move the model "
+                             "to this rank's device first, model.to(device).")
         self.mesh, self.how = mesh, how
         self.inputs, self.targets = samples if samples is not None else normalized_darcy()
         self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
@@ -91,7 +95,7 @@ class Trainer:
         i = step * self.ddp_size + self.replica
         if i >= len(self.inputs):
             raise ValueError(f"step {step} × ddp size {self.ddp_size} needs sample {i}; there are {len(self.inputs)}.")
-        x, y = self.inputs[i : i + 1], self.targets[i : i + 1]
+        x, y = self.inputs[i : i + 1].to(self.device), self.targets[i : i + 1].to(self.device)
         if self.mesh["domain"].size() > 1:
             x = scatter_tensor(x, self.src, self.mesh["domain"], (Shard(2),))
             y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
@@ -154,14 +158,18 @@ def save_checkpoint(trainer: Trainer, path) -> None:
 
 def load_checkpoint(trainer: Trainer, path) -> None:
     """Rank 0 reads the file and broadcasts it; every rank loads the same full state."""
-    box = [torch.load(path, weights_only=False) if dist.get_rank() == 0 else None]
+    # Read into host memory: set_*_state_dict puts each tensor on the device of the parameter it fills.
+    box = [torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None]  # CPU-only
     dist.broadcast_object_list(box, src=0)
     trainer.load_full_state(box[0])
 
 
 def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None) -> list[float]:
-    """The reference: one process, batch = the ddp replicas' samples of each step, same optimizer."""
+    """The reference: one process, batch = the ddp replicas' samples of each step, same optimizer, on the
+    model's device."""
+    device = next(model.parameters()).device
     inputs, targets = samples if samples is not None else normalized_darcy()
+    inputs, targets = inputs.to(device), targets.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):

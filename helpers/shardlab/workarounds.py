@@ -16,7 +16,7 @@ def cpu_safe_process_group_init(timeout: timedelta):
     """Let ``DistributedManager.initialize()`` create a process group on CPU, with our timeout.
 
     Upstream: NVIDIA/physicsnemo issue #1936 (fix proposed in PR #1938). ``DistributedManager.setup``
-    passes ``device_id=torch.device("cpu")`` to ``init_process_group``; torch rejects a device_id
+    passes the CPU device as ``device_id`` to ``init_process_group``; torch rejects a device_id
     that is not an accelerator with an index (ValueError), and PhysicsNeMo only catches
     TypeError. It also passes no timeout, so gloo would wait 30 minutes for a missing rank.
     """
@@ -29,6 +29,37 @@ def cpu_safe_process_group_init(timeout: timedelta):
         if device_id is not None and getattr(device_id, "type", None) == "cpu":
             del kwargs["device_id"]
         kwargs.setdefault("timeout", timeout)
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+
+
+@contextlib.contextmanager
+def nccl_errors_raise():
+    """Make a collective that a rank never joins raise after the group's timeout on NCCL, as it does on gloo.
+
+    Upstream: physicsnemo/distributed/manager.py (2.2.2), ``DistributedManager.initialize()`` runs
+    ``os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"`` just before it creates the process group,
+    so NCCL's watchdog never aborts a collective that timed out, and the ranks waiting in it hang.
+    After that line and before the group exists (the variables are read when a group is created),
+    this sets TORCH_NCCL_BLOCKING_WAIT=1 (the calling thread waits at most the timeout, then raises
+    in the rank's own code) and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the watchdog aborts the
+    communicator without killing the process, so a ``%%px`` cell reports the error). The price:
+    every NCCL collective waits on the host. gloo reads neither variable.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         return original(*args, **kwargs)
 
     dist.init_process_group = init_process_group

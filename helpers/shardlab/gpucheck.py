@@ -1,0 +1,145 @@
+"""What only GPUs prove, in one command: ``python -m shardlab.gpucheck [--json FILE]`` (``make gpu-check``).
+
+CPU ranks rehearse the program; this runs, on the GPUs this machine has, what they cannot show:
+
+- the smoke test under torchrun with NCCL, one rank per visible GPU, every check;
+- every notebook on CUDA engines (``tests/test_notebooks.py``, from a checkout of the repository);
+- the memory tables with the CUDA allocator's peak per rank next to the byte model;
+- eager vs compiled step time, synchronised.
+
+One GPU proves what one CUDA rank can (device placement, allocator peaks, TF32, compile speed);
+what needs two or more is listed, not guessed. Without a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .launch import clean_environment, free_port, torchrun_command
+from .smoke import run_smoke
+
+BUDGET_S = 8 * 60
+REPO = Path(__file__).resolve().parents[2]  # a checkout: helpers/shardlab/gpucheck.py
+
+
+def _run(cmd: list[str], timeout_s: float, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env=clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env))
+
+
+def _measure(table: str, ranks: int, sizes: list[int], timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="shardlab-gpucheck-") as tmp:
+        out = Path(tmp) / f"{table}.json"
+        args = ["-m", "shardlab.measure", table, "--sizes", *map(str, sizes), "--json", str(out)]
+        cmd = torchrun_command(ranks, *args) if ranks > 1 else [sys.executable, *args]
+        proc = _run(cmd, timeout_s)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-2000:])
+        return json.loads(out.read_text())
+
+
+def checks(gpus: int, deadline: float) -> list[dict]:
+    """Each check as a row: what, result, status (passed, failed, needs N GPUs)."""
+    rows = []
+    left = lambda: max(30.0, deadline - time.monotonic())  # noqa: E731
+
+    def record(what: str, run) -> None:
+        t0 = time.monotonic()
+        try:
+            result, ok = run()
+            rows.append({"check": what, "result": result, "status": "passed" if ok else "FAILED"})
+        except Exception as error:  # a check that breaks is a failed check, reported with the rest
+            rows.append({"check": what, "result": f"{type(error).__name__}: {str(error)[-300:]}", "status": "FAILED"})
+        rows[-1]["seconds"] = round(time.monotonic() - t0, 1)
+
+    def needs_two(what: str) -> None:
+        rows.append({"check": what, "result": "one GPU cannot show it", "status": "needs 2+ GPUs", "seconds": 0})
+
+    if gpus >= 2:
+        def smoke():
+            report = run_smoke("torchrun", n=gpus, domain=2 if gpus % 2 == 0 else 1, timeout_s=left())
+            backends = {r["backend"] for r in report["ranks"]}
+            return f"{gpus} ranks, backend {sorted(backends)}, mesh {report['mesh']}", report["ok"] and backends == {
+                "nccl"}
+        record(f"smoke under torchrun, NCCL, {gpus} ranks, every check", smoke)
+
+        def notebooks():
+            if not (REPO / "tests" / "test_notebooks.py").exists():
+                return "not a checkout of the repository: run make gpu-check from one", False
+            proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                         str(REPO / "tests" / "test_notebooks.py")], left())
+            summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+            return summary, proc.returncode == 0
+        record(f"every notebook on {gpus} CUDA engines", notebooks)
+
+        def skipped_collective():
+            proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k",
+                         "skipping_a_collective", str(REPO / "tests" / "test_negative_notebooks.py")], left())
+            summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+            return f"the fixture notebook on 2 CUDA engines: {summary}", proc.returncode == 0
+        record("a skipped NCCL collective raises within timeout_s, naming the missing rank", skipped_collective)
+    else:
+        needs_two("smoke under torchrun with NCCL")
+        needs_two("notebooks on CUDA engines (every lesson needs a domain of 2)")
+        needs_two("a skipped NCCL collective raises within timeout_s")
+
+    sizes = [n for n in (1, 2, 4) if n <= gpus and gpus % n == 0]
+
+    def activation_memory():
+        table = _measure("activation-memory", max(sizes), sizes, left())
+        cells = [f"N={r['N']}: saved {r['bytes_max_rank']} B, CUDA peak {r.get('cuda_peak_above_start_max_rank')} B"
+                 for r in table["rows"]]
+        return "; ".join(cells), all("cuda_peak_above_start_max_rank" in r for r in table["rows"])
+    record(f"activation memory per rank: CUDA peak beside saved bytes, N in {sizes}", activation_memory)
+
+    def state_memory():
+        ddp_sizes = [n for n in sizes if n > 1] or [1]
+        table = _measure("state-memory", max(sizes), ddp_sizes, left())
+        cells = [f"ddp={r['ddp_size']}: DDP {r['DDP_bytes_max_rank']} B (peak {r.get('cuda_peak_ddp_max_rank')}), "
+                 f"FSDP2 {r['FSDP2_bytes_max_rank']} B (peak {r.get('cuda_peak_fsdp2_max_rank')})"
+                 for r in table["rows"]]
+        return "; ".join(cells), all("cuda_peak_ddp_max_rank" in r for r in table["rows"])
+    record("state bytes per rank: CUDA peaks beside the byte model", state_memory)
+
+    def compile_speed():
+        row = _measure("compile-speed", 1, [1], left())["rows"][0]
+        return (f"eager {row['eager_step_s'] * 1e3:.2f} ms, compiled {row['compiled_step_s'] * 1e3:.2f} ms, "
+                f"compiled/eager {row['compiled/eager']:.2f}"), True
+    record("eager vs compiled step time, synchronised, one GPU", compile_speed)
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m shardlab.gpucheck", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows, the GPUs and the date to this file")
+    args = parser.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("No GPU is visible here (torch.cuda.device_count() == 0): nothing to check. Run `make gpu-check` on a "
+              "GPU node; on this machine the CPU ranks of `make test` rehearse the same program.")
+        rows, names = [], []
+    else:
+        names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+        print(f"# shardlab gpu-check, {time.strftime('%Y-%m-%d')}, {gpus} GPU(s): {', '.join(sorted(set(names)))}")
+        rows = checks(gpus, time.monotonic() + BUDGET_S)
+        width = max(len(r["check"]) for r in rows)
+        for r in rows:
+            print(f"{r['check'].ljust(width)}  {r['status']:>13}  {r['seconds']:>6.1f} s  {r['result']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "gpus": names, "rows": rows},
+                                              indent=1))
+    return 1 if any(r["status"] == "FAILED" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
