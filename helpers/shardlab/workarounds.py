@@ -69,14 +69,33 @@ def nccl_errors_raise():
         dist.init_process_group = original
 
 
-def register_shard_ops_on_cpu() -> None:
+# The shard-aware wrappers for the operations this series uses. Upstream's register_shard_wrappers()
+# also imports knn, mesh_ops, natten_patches and point_cloud_ops (k-nearest neighbours, signed distance
+# fields, neighbourhood attention, radius search): their imports pull in physicsnemo.nn, which was most of
+# a CPU rank's start-up here (register_custom_ops: ~9 s vs ~0.2 s for these, measured side by side on
+# 2 busy cores). A lesson that needs those calls register_shard_ops_on_cpu(everything=True).
+SERIES_SHARD_WRAPPERS = ("attention_patches", "conv_patches", "index_ops", "linear_patches", "normalization_patches",
+                         "padding", "pooling_patches", "unary_ops", "unpooling_patches", "view_ops")
+
+
+def register_shard_ops_on_cpu(everything: bool = False) -> None:
     """Register ShardTensor's op handlers (reductions, conv halos, norms...) on a CPU-only host.
 
     Upstream: ``physicsnemo.domain_parallel`` calls ``register_custom_ops()`` at import only
     ``if torch.cuda.is_available()``. Without it, e.g. the backward of a sum over a Shard(1)
     ShardTensor fails with "placement[0] doesn't have a matching shard in shard_order".
-    Registering twice is harmless: the handlers are keyed by op.
+    Registering twice is harmless: the handlers are keyed by op. On GPUs upstream registers
+    everything itself, so this runs on CPU ranks only.
     """
-    from physicsnemo.domain_parallel import register_custom_ops
+    import importlib
 
-    register_custom_ops()
+    if everything:
+        from physicsnemo.domain_parallel import register_custom_ops
+
+        register_custom_ops()
+        return
+    # What register_custom_ops() imports, each module registering its handlers at import.
+    from physicsnemo.domain_parallel.custom_ops import _tensor_ops, mean_wrapper, sum_wrapper, unbind_wrapper  # noqa: F401
+
+    for name in SERIES_SHARD_WRAPPERS:
+        importlib.import_module(f"physicsnemo.domain_parallel.shard_utils.{name}")
