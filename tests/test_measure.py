@@ -37,14 +37,45 @@ def test_ideal_ratio_is_one_over_n_plus_halo(n, expected):
 
 
 @pytest.mark.multirank
-def test_activation_memory_script_on_four_ranks(tmp_path, no_leftovers):
-    out = tmp_path / "act.json"
-    proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+def test_measurement_script_on_four_ranks_one_job_for_both_tables(tmp_path, no_leftovers):
+    """Activation bytes follow 1/N + halo; FSDP2's state bytes follow 1/ddp (bytes are exact: no timing asserted)."""
+    out = tmp_path / "tables.json"
+    proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "state-memory", "--json",
+                           str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ratio/ideal" in proc.stdout  # the table header other runs are compared against
-    rows = {r["N"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows[1]["ratio"] == 1.0
+    assert proc.stdout.count("ratio/ideal") == 2  # the table headers other runs are compared against
+    tables = json.loads(out.read_text())
+    activation = {r["N"]: r for r in tables["activation-memory"]["rows"]}
+    assert activation[1]["ratio"] == 1.0
     for n in (2, 4):
-        assert abs(rows[n]["ratio/ideal"] - 1) <= 0.10, rows[n]
-        assert rows[n]["ratio"] < rows[n // 2]["ratio"]
+        assert abs(activation[n]["ratio/ideal"] - 1) <= 0.10, activation[n]
+        assert activation[n]["ratio"] < activation[n // 2]["ratio"]
+    state = {r["ddp_size"]: r for r in tables["state-memory"]["rows"]}
+    assert state[1]["FSDP2/DDP"] == pytest.approx(1.0)
+    for ddp in (2, 4):
+        assert abs(state[ddp]["ratio/ideal"] - 1) <= 0.05, state[ddp]  # within 5 % of 1/ddp for this model
+
+
+COLLECTIVES = """
+import json, os, torch, torch.distributed as dist
+from shardlab import measure
+dist.init_process_group("gloo", rank=0, world_size=1)
+with measure.collective_bytes() as cost:
+    dist.all_reduce(torch.ones(4, 4))
+    dist.all_reduce(torch.ones(2))
+    dist.broadcast(torch.zeros(3, dtype=torch.float64), src=0)
+    torch.ones(100) * 2  # not a collective: counted only as the largest tensor
+print("COST", json.dumps({"ops": cost.ops, "largest": cost.largest_tensor_bytes}))
+dist.destroy_process_group()
+"""
+
+
+def test_collective_bytes_counts_calls_and_bytes_per_collective():
+    from shardlab.launch import clean_environment, free_port
+
+    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", COLLECTIVES], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cost = json.loads(proc.stdout.split("COST", 1)[1])
+    assert cost["ops"] == {"allreduce_": {"calls": 2, "bytes": 16 * 4 + 2 * 4}, "broadcast_": {"calls": 1, "bytes": 24}}
+    assert cost["largest"] == 400

@@ -4,6 +4,7 @@ blank handout answer ("not answered yet") and each plausible wrong answer kept w
 `pytest --nbmake notebooks/` runs the same notebooks without the rehearsals; this test is what
 `make test` runs, so that no notebook executes twice."""
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -13,6 +14,9 @@ from notebook_runner import run_notebook
 from shardlab.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+# The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8.
+OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS if path.stem[:2] in ("02", "03", "04", "05", "07")
+                     for ranks in (2, 8)]
 
 
 def solution_cells(path: Path) -> list[int]:
@@ -32,3 +36,11 @@ def test_notebook_runs_and_its_checks_reject_wrong_answers(path, no_leftovers):
             assert "not answered yet" in r.evalue, f"{where}: {r.evalue[:300]}"
         else:
             assert "not answered yet" not in r.evalue, f"{where}: a wrong answer is still an answer: {r.evalue[:300]}"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path, ranks", OTHER_WORLD_SIZES, ids=lambda v: getattr(v, "stem", f"{v}ranks"))
+def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
+    """Mesh shapes and sizes come from the world size: the lesson holds at 2 and 8 ranks too (no rehearsals:
+    the exercises were rehearsed at the default size)."""
+    run_notebook(path, rehearse=False, env=os.environ | {"SHARDLAB_RANKS": str(ranks)}, timeout_s=600)

@@ -334,45 +334,57 @@ def format_table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """Print one measurement as a stable table:
-    ``python -m shardlab.measure {activation-memory,state-memory,compile-speed,all}``."""
+    """Print measurements as stable tables: ``python -m shardlab.measure TABLE [TABLE ...] | all``.
+
+    Tables that need ranks run together in one torchrun job (one start-up, not one per table)."""
     import argparse
     import json
+    import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m shardlab.measure", description=main.__doc__)
-    parser.add_argument("what", choices=[*TABLES, "all"], help="one table, or all of them in one run")
+    parser.add_argument("what", nargs="+", choices=[*TABLES, "all"], help="tables, or all of them, in one run")
     parser.add_argument("--sizes", type=int, nargs="+",
-                        help="domain sizes (activation-memory) or ddp sizes (state-memory)")
+                        help="domain sizes (activation-memory) or ddp sizes (state-memory); one table only")
     parser.add_argument("--width", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--kernel-size", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9, help="compile-speed: timed steps of each kind")
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--json", help="also write the table as JSON to this file")
+    parser.add_argument("--json", help="also write the table (several: {name: table}) as JSON to this file")
     args = parser.parse_args(argv)
-    if args.what == "all":
-        codes = []
-        for what in TABLES:  # one after the other, so they do not compete for the cores
-            codes.append(subprocess.run([sys.executable, "-m", "shardlab.measure", what], timeout=900).returncode)
-            print(flush=True)
-        return max(codes)
-    table, ranks, defaults = TABLES[args.what]
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-    if ranks > 1 and detect_launch().launcher == "none":
-        # Not under a launcher: start the ranks this table needs, with the same arguments.
-        argv = sys.argv[1:] if argv is None else list(argv)
-        cmd = torchrun_command(max(ranks, *args.sizes), "-m", "shardlab.measure", *argv)
-        return subprocess.run(cmd, env=clean_environment(OMP_NUM_THREADS="1"), timeout=900).returncode
-
-    report = table(args)
-    if report["rank"] == 0:
-        print(format_table(report))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
-    if ranks > 1:
+    names = list(TABLES) if "all" in args.what else list(dict.fromkeys(args.what))
+    if len(names) > 1 and (args.sizes or args.width or args.layers):
+        parser.error("--sizes, --width and --layers apply to one table at a time")
+    on_ranks = [name for name in names if TABLES[name][1] > 1]
+    reports = {}
+    if on_ranks and detect_launch().launcher == "none":
+        # Not under a launcher: start the ranks the tables need, with the same options, in one job.
+        with tempfile.TemporaryDirectory(prefix="shardlab-measure-") as tmp:
+            part = Path(tmp) / "ranks.json"
+            options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                       if k in ("width", "layers", "kernel_size", "timeout") and v is not None]
+            options += ["--sizes", *map(str, args.sizes)] if args.sizes else []
+            ranks = max(max(TABLES[n][1], *(args.sizes or TABLES[n][2]["sizes"])) for n in on_ranks)
+            cmd = torchrun_command(ranks, "-m", "shardlab.measure", *on_ranks, *options, "--json", str(part))
+            code = subprocess.run(cmd, env=clean_environment(OMP_NUM_THREADS="1"), timeout=900).returncode
+            if code:
+                return code
+            done = json.loads(part.read_text())
+        reports |= done if len(on_ranks) > 1 else {on_ranks[0]: done}
+        names = [name for name in names if name not in on_ranks]
+    for name in names:
+        table, _, defaults = TABLES[name]
+        table_args = argparse.Namespace(**vars(args))
+        for option, value in defaults.items():
+            if getattr(table_args, option) is None:
+                setattr(table_args, option, value)
+        report = table(table_args)
+        if report["rank"] == 0:
+            print(format_table(report), end="\n\n", flush=True)
+        reports[name] = report
+    if args.json and reports and next(iter(reports.values()))["rank"] == 0:
+        Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())), indent=1))
+    if detect_launch().launcher != "none":
         shutdown_distributed()
     return 0
 
