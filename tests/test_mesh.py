@@ -1,8 +1,8 @@
 """Mesh rules (shapes, the batch rule) explained before torch sees them, and the sharding arithmetic:
 shard bounds and halo plans."""
 
-import numpy as np
 import pytest
+import torch
 
 from shardlab import mesh
 from shardlab.mesh import MeshError, check_batch_per_domain_group, resolve_mesh_shape
@@ -55,10 +55,11 @@ def test_batch_rule_says_to_scale_on_ddp():
         check_batch_per_domain_group(batch_size=2, domain_size=2)
 
 
-@pytest.mark.parametrize("height,n", [(64, 4), (65, 3), (10, 4), (7, 7), (3, 5), (0, 2), (1, 1)])
-def test_shard_bounds_matches_array_split(height, n):
+@pytest.mark.parametrize("height,n", [(64, 4), (65, 3), (66, 4), (10, 4), (7, 7), (3, 5), (0, 2), (1, 1), (512, 48)])
+def test_shard_bounds_match_torch_chunk_as_scatter_tensor_splits(height, n):
     bounds = mesh.shard_bounds(height, n)
-    expected = [len(part) for part in np.array_split(np.arange(height), n)]
+    parts = [len(part) for part in torch.chunk(torch.arange(height), n)] if height else []
+    expected = parts + [0] * (n - len(parts))  # torch.chunk returns fewer chunks when rows run out
     assert [stop - start for _, start, stop in bounds] == expected
     assert [rank for rank, _, _ in bounds] == list(range(n))
     assert bounds[0][1] == 0 and bounds[-1][2] == height

@@ -27,7 +27,7 @@ LAYERS = (
     ("mesh", "data", "models"),
     ("train",),
     ("measure", "plot"),
-    ("cluster", "check"),
+    ("cluster", "check", "plan"),
     ("exercises",),
     ("smoke", "bench", "handout"),
     ("gpucheck",),

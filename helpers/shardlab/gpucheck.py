@@ -108,6 +108,11 @@ def checks(gpus: int, deadline: float) -> list[dict]:
         return "; ".join(cells), all("cuda_peak_ddp_max_rank" in r for r in table["rows"])
     record("state bytes per rank: CUDA peaks beside the byte model", state_memory)
 
+    def memory_planner():
+        from .plan import gpu_check
+        return gpu_check(gpus, left())
+    record("memory planner: predicted peak per rank within 10 % of max_memory_allocated", memory_planner)
+
     def compile_speed():
         row = _measure("compile-speed", 1, [1], left())["rows"][0]
         return (f"eager {row['eager_step_s'] * 1e3:.2f} ms, compiled {row['compiled_step_s'] * 1e3:.2f} ms, "

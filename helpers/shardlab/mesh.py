@@ -72,16 +72,12 @@ def check_batch_per_domain_group(batch_size: int, domain_size: int) -> None:
 
 
 def shard_bounds(height: int, n_ranks: int) -> list[tuple[int, int, int]]:
-    """(rank, start, stop) of an even split, the first ``height % n_ranks`` ranks one row longer (numpy.array_split)."""
+    """(rank, start, stop) of the rows each rank gets from ``scatter_tensor``: ``torch.chunk``'s split, every
+    rank ceil(height / n) rows until they run out, so the last ranks may get fewer rows, or none."""
     if n_ranks < 1 or height < 0:
         raise ValueError(f"cannot split {height} rows over {n_ranks} ranks: need height >= 0 and n_ranks >= 1.")
-    base, extra = divmod(height, n_ranks)
-    bounds, start = [], 0
-    for rank in range(n_ranks):
-        stop = start + base + (rank < extra)
-        bounds.append((rank, start, stop))
-        start = stop
-    return bounds
+    size = -(-height // n_ranks)
+    return [(rank, min(rank * size, height), min((rank + 1) * size, height)) for rank in range(n_ranks)]
 
 
 def halo_plan(height: int, n_ranks: int, kernel_size: int) -> list[dict]:

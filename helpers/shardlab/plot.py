@@ -208,8 +208,11 @@ def halo_rows(height, n_ranks, kernel_sizes=(3, 5), ax=None):
     return fig
 
 
-def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None):
-    """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker."""
+def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=None, capacity_label="GPU memory"):
+    """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker.
+
+    ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold.
+    """
     if unit not in _UNITS:
         raise ValueError(f"unit={unit!r}: choose one of {list(_UNITS)}.")
     scale = _UNITS[unit]
@@ -243,13 +246,18 @@ def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None):
         ax.annotate(f"{total:.4g}", (xi, top), xytext=(0, 4), textcoords="offset points", ha="center",
                     va="bottom", fontsize=8)
 
-    peak = np.nanmax(np.concatenate([bottom, marks])) if len(labels) else 0
+    capacity_handles = []
+    if capacity is not None:
+        capacity_handles.append(ax.axhline(capacity / scale, color="tab:red", linestyle="--", linewidth=1.5, zorder=4,
+                                           label=f"{capacity_label}: {capacity / scale:.4g} {unit}"))
+    limits = [bottom, marks] + ([[capacity / scale]] if capacity is not None else [])
+    peak = np.nanmax(np.concatenate(limits)) if len(labels) else 0
     ax.set_ylim(0, (peak or 1) * 1.15)
     ax.set_xticks(x, labels, rotation=30 if len(labels) > 6 else 0)
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title or "memory per rank, by category", fontsize=10)
     # Reversed, so the legend reads top to bottom like the stack.
-    ax.legend(handles=handles[::-1] + ideal_handles, loc="upper left",
+    ax.legend(handles=handles[::-1] + ideal_handles + capacity_handles, loc="upper left",
               bbox_to_anchor=(1.02, 1), fontsize=9, frameon=False)
     return fig
 

@@ -1,0 +1,86 @@
+"""The memory planner's widgets driven in JupyterLab: Run All, then one widget change, and the verdict follows.
+
+tests/test_notebooks.py proves notebook 09's code (the widget callback is a plain function the notebook also calls);
+this proves the widgets work where learners use them: in the browser, changing the domain size re-plans and the
+verdict in the widget's output turns from "does not fit" to "fits".
+"""
+
+import contextlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from browser_support import CHROMIUM_ARGS, ensure_chromium, lab_server
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = "09_memory_planner.ipynb"
+ARTIFACTS = REPO / "test-artifacts"
+KERNEL, KERNEL_DISPLAY = "shardlab", "Python (shardlab: PhysicsNeMo distributed)"
+RUN_TIMEOUT_MS = 6 * 60_000  # the notebook starts ranks and measures them; the browser adds the UI's own work
+
+# Done = kernel idle and nothing queued ([*]) after at least one cell ran (as in tests/test_browser.py).
+RUN_FINISHED = """() => {
+  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(p => p.textContent.trim());
+  const status = document.querySelector('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator')?.dataset.status;
+  return status === 'idle' && !prompts.includes('[*]:') && prompts.some(p => /^\\[\\d+\\]:$/.test(p));
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(1800)  # a first run may install chromium with apt-get
+def test_changing_the_domain_widget_replans_in_jupyterlab(tmp_path, monkeypatch, no_leftovers):
+    chromium = ensure_chromium()
+    monkeypatch.setenv("SHARDLAB_RANKS", "2")  # the kernel's cluster: two ranks are enough for the live check
+    shutil.copy(REPO / "notebooks" / NOTEBOOK, tmp_path)  # outputs land in the copy; the committed one stays clean
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "lab_planner.png"
+    for old in ARTIFACTS.glob("lab_planner*"):
+        old.unlink()
+
+    with lab_server(tmp_path, ARTIFACTS / "lab_planner.server.log") as (base, token, api), sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1200})
+        try:
+            page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
+            ready = page.locator(".jp-Dialog").or_(page.get_by_text(f"{KERNEL_DISPLAY} | Idle"))
+            expect(ready.first).to_be_visible(timeout=120_000)
+            if page.locator(".jp-Dialog").is_visible():
+                page.locator(".jp-Dialog select").select_option(label=KERNEL_DISPLAY)
+                page.locator(".jp-Dialog").get_by_role("button", name="Select").click()
+            expect(page.get_by_text(f"{KERNEL_DISPLAY} | Idle")).to_be_visible(timeout=120_000)
+
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            page.wait_for_function(RUN_FINISHED, timeout=RUN_TIMEOUT_MS, polling=1000)
+            stderr = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+            tracebacks = [t for t in stderr.all_inner_texts() if "Traceback" in t or "CompositeError" in t]
+            assert not tracebacks, "a cell failed in the browser:\n" + "\n---\n".join(tracebacks)[-4000:]
+
+            # The widget's own output area (not the cell below it, which calls the same function directly).
+            verdict = page.locator(".widget-output").filter(has_text="GPU(s):")
+            expect(verdict).to_have_count(1, timeout=60_000)
+            verdict.scroll_into_view_if_needed()
+            expect(verdict).to_contain_text("1 GPU(s): does not fit: smallest domain size that fits is 3")
+
+            domain = page.locator(".widget-dropdown").filter(has_text="domain").locator("select")
+            domain.select_option(label="3")
+            expect(verdict).to_contain_text(re.compile(r"3 GPU\(s\): fits with \d+\.\d GiB left"), timeout=120_000)
+            expect(verdict.locator("img")).to_have_count(1)  # the figure was redrawn with the verdict
+            verdict.evaluate("o => o.scrollIntoView({block: 'center'})")
+            page.screenshot(path=screenshot)
+        except Exception:
+            with contextlib.suppress(Exception):  # what the UI showed when it failed, for CI's artifacts
+                page.screenshot(path=ARTIFACTS / "lab_planner.failure.png")
+            raise
+        finally:
+            browser.close()
+
+        sessions = [s for s in api("/api/sessions") if s["path"].endswith(NOTEBOOK)]
+        assert [s["kernel"]["name"] for s in sessions] == [KERNEL], sessions
+        for session in sessions:  # stops the notebook's kernel (its cluster was stopped by the last cell)
+            api(f"/api/kernels/{session['kernel']['id']}", "DELETE")
+
+    assert screenshot.stat().st_size > 20_000, f"{screenshot} is suspiciously small"

@@ -1,0 +1,164 @@
+"""The memory planner: predictions made on the meta device, checked against this series' own measured ranks.
+
+Unit tests check the mechanics (halo rows, uneven shards, FSDP2 shards, the verdict, the command line) without a
+rank. The multirank test runs ONE torchrun job of 4 CPU ranks that measures every case (notebooks 04, 05 and 07's
+model; N = 1, 2, 4 on the domain axis; DDP and FSDP2) and asserts each rank's predicted bytes within 5 % of the
+measured byte accounting. The GPU test compares the predicted peak with ``max_memory_allocated`` (10 %).
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from shardlab import plan, plot
+from shardlab.models import conv_stack
+
+KIB = 1024
+
+
+def one_conv(kernel_size=3, padding=1):
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 1, kernel_size, padding=padding))
+
+
+def test_a_sharded_convolution_saves_its_rows_plus_halos_or_edge_padding():
+    # 16 rows over 4 ranks: each saves its 4 rows + 1 halo row or zero row on each side, 8 columns of fp32.
+    result = plan.plan(one_conv(), (1, 1, 16, 8), domain=4, wrapper="none")
+    assert [r["rows"] for r in result.rows] == [4, 4, 4, 4]
+    assert all(r["activations"] == (4 + 2) * 8 * 4 for r in result.rows)
+    assert all(r["halos"] == 2 * 8 * 4 for r in result.rows)
+    # One process: torch pads inside the kernel, the input itself is what is saved.
+    single = plan.plan(one_conv(), (1, 1, 16, 8), wrapper="none").rows[0]
+    assert single["activations"] == 16 * 8 * 4 and single["halos"] == 0 and single["transient"] == 0
+    # A 5x5 kernel needs 2 rows from each neighbour.
+    assert plan.plan(one_conv(5, 2), (1, 1, 16, 8), domain=4, wrapper="none").rows[1]["activations"] == 8 * 8 * 4
+
+
+def test_uneven_shards_follow_torch_chunk_as_scatter_tensor_does():
+    result = plan.plan(conv_stack(width=8, layers=3), (1, 1, 66, 64), domain=4, wrapper="none")
+    assert [r["rows"] for r in result.rows] == [17, 17, 17, 15]
+    assert result.rows[0]["activations"] > result.rows[3]["activations"]
+    assert "uneven shards" in result.notes[0]
+    with pytest.raises(ValueError, match="halo row"):
+        plan.plan(conv_stack(), (1, 1, 8, 8), domain=9)  # the ninth rank would hold no row
+
+
+def test_state_bytes_per_wrapper_and_fsdp2_shards_of_a_one_row_parameter():
+    model = conv_stack()  # 10500 bytes of parameters; the output conv has one row (1 output channel)
+    ddp = plan.plan(model, (1, 1, 64, 64), ddp=2, wrapper="ddp").rows
+    assert ddp[0]["params"] == ddp[0]["grads"] == ddp[0]["buffers"] == 10500  # buckets: a copy of every gradient
+    assert ddp[0]["optimizer"] == 2 * 10500 + 6 * 4  # Adam: two moments and a 4-byte step per parameter
+    fsdp = plan.plan(model, (1, 1, 64, 64), ddp=2, wrapper="fsdp2").rows
+    assert fsdp[0]["params"] + fsdp[1]["params"] == 10500 and fsdp[0]["params"] > fsdp[1]["params"]
+    assert fsdp[0]["buffers"] == (16 * 16 * 9 + 16) * 4  # the largest unit, gathered whole
+    assert plan.plan(model, (1, 1, 64, 64), wrapper="none").rows[0]["buffers"] == 0
+
+
+def test_the_total_covers_the_replayed_peak_and_the_accounting():
+    for row in plan.plan(conv_stack(), (1, 1, 256, 256), ddp=2, domain=2, wrapper="fsdp2").rows:
+        assert row["accounted"] == sum(row[c] for c in plan.ACCOUNTED)
+        assert row["total"] == row["accounted"] + row["temporaries"] >= row["peak"] > row["activations"]
+
+
+def test_large_fields_are_planned_on_the_meta_device_in_seconds():
+    t0 = time.perf_counter()
+    planner = plan.Planner(plan.conv_model(3, width=32, depth=4), plan.parse_field("512x512x512"))
+    result = planner.plan(ddp=2, domain=8, wrapper="fsdp2")
+    big = plan.Planner(plan.conv_model(2, width=64, depth=6), plan.parse_field("8192x8192")).plan(domain=1)
+    assert big.rows[0]["activations"] > 100 * plan.GiB  # far more than this machine has: nothing was allocated
+    assert result.rows[0]["transient"] == 512**3 * 4 and len(result.rows) == 16
+    print(f"512^3 and 8192^2 planned in {time.perf_counter() - t0:.2f} s")
+
+
+def test_verdicts_fit_smallest_domain_and_no_domain():
+    planner = plan.Planner(plan.conv_model(2, width=64, depth=6), plan.parse_field("8192x8192"))
+    capacity = plan.parse_size("80GiB")
+    assert plan.verdict(planner, planner.plan(domain=1), capacity)["text"] == (
+        "does not fit: smallest domain size that fits is 3")
+    assert not planner.fits(capacity, domain=2) and planner.fits(capacity, domain=3)
+    fits = plan.verdict(planner, planner.plan(domain=4), capacity)
+    assert fits["fits"] and fits["text"].startswith("fits with ") and fits["text"].endswith(" GiB left")
+    assert fits["left"] == capacity - fits["need"] - fits["headroom"]
+    tiny = plan.verdict(planner, planner.plan(domain=1), plan.parse_size("1GiB"))
+    assert tiny["text"].startswith("does not fit at any domain size") and "scatter_tensor" in tiny["text"]
+
+
+def test_sizes_fields_and_what_is_left_out():
+    assert plan.parse_size("80GiB") == 80 * 2**30 and plan.parse_size("40GB") == 40 * 10**9
+    assert plan.parse_size("H100") == plan.GPUS["H100 (80 GB)"]
+    assert plan.parse_field("4096x4096") == (1, 1, 4096, 4096) and plan.parse_field("64x64x64")[2:] == (64, 64, 64)
+    for bad, call in (("80 parsecs", plan.parse_size), ("4096 by 4096", plan.parse_field)):
+        with pytest.raises(ValueError, match="like|separated"):
+            call(bad)
+    for item in plan.LEFT_OUT:  # each says what it adds and where that figure comes from
+        assert item["typical"] and item["source"].startswith("https://")
+
+
+def test_memory_bars_draw_the_capacity_line():
+    result = plan.plan(conv_stack(), (1, 1, 64, 64), ddp=2, domain=2, wrapper="fsdp2")
+    fig = plot.memory_bars(result.bars(), unit="MiB", capacity=2 * 2**20, capacity_label="GPU")
+    ax = fig.axes[0]
+    line = next(line for line in ax.get_lines() if line.get_label().startswith("GPU"))
+    assert list(line.get_ydata()) == [2, 2] and ax.get_ylim()[1] > 2
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "GPU: 2 MiB"
+    assert set(result.bars()) == {"ranks 0-1", "ranks 2-3"}  # equal ranks share one bar
+
+
+def test_command_line_prints_the_table_and_writes_json_for_8192_squared(tmp_path):
+    out = tmp_path / "plan.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "shardlab.plan", "--field", "8192x8192", "--domain", "8", "--ddp",
+                           "2", "--wrapper", "fsdp2", "--gpu", "80GiB", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verdict on 80 GiB GPUs: fits with" in proc.stdout and "left out" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [r["rank"] for r in report["rows"]] == list(range(16))
+    for row in report["rows"]:
+        assert {"rank", "params", "grads", "optimizer", "activations", "transient", "total"} <= set(row)
+        assert row["total"] >= row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["transient"]
+    assert report["verdict"]["fits"] and report["verdict"]["text"].startswith("fits with")
+    print(f"python -m shardlab.plan for 8192x8192 answered in {seconds:.1f} s (wall clock, this machine)")
+
+    no = subprocess.run([sys.executable, "-m", "shardlab.plan", "--field", "8192x8192", "--channels", "64",
+                         "--depth", "6", "--gpu", "80GiB"], capture_output=True, text=True, timeout=300)
+    assert "does not fit: smallest domain size that fits is 3" in no.stdout, no.stdout[-2000:] + no.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "shardlab.plan", "--field", "64x64", "--domain", "100"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "halo row" in bad.stderr
+
+
+@pytest.mark.multirank
+def test_predictions_match_the_measured_ranks_within_5_percent(tmp_path, no_leftovers):
+    out = tmp_path / "measured.json"
+    proc = subprocess.run([sys.executable, "-m", "shardlab.plan", "--measure", "--ranks", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    measurement = json.loads(out.read_text())
+    names = {c["name"] for c in measurement["cases"]}
+    for notebook in ("04", "05", "07"):
+        for n in (1, 2, 4):
+            for wrapper in ("ddp", "fsdp2"):
+                assert f"nb{notebook} N={n} {wrapper}" in names
+    rows = plan.comparison_table(measurement)
+    assert len(rows) == 4 * len(measurement["cases"])
+    print(proc.stdout)
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    assert abs(worst["error"]) <= 0.05, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_predicted_peak_is_within_10_percent_of_max_memory_allocated(no_leftovers):
+    result, ok = plan.gpu_check(torch.cuda.device_count(), timeout_s=600)
+    print(result)
+    assert ok, result
