@@ -65,7 +65,7 @@ def _report(verdicts: list, what: str, hint: str) -> None:
     wrong = [rank for rank, v in enumerate(verdicts) if v is not None]
     if wrong:
         first = next((v for v in verdicts if v not in (None, "blank")), "not answered yet")
-        raise NotSolved(f"{what}: wrong on rank(s) {wrong}: {first}. {hint}".strip())
+        raise NotSolved(f"{what}: wrong on rank(s) {wrong}: {first.rstrip('.')}. {hint}".strip())
 
 
 def _judge_here(judge, *values):
@@ -96,7 +96,7 @@ def judged(judge, *values, what: str, hint: str = "") -> None:
     if verdict == "blank":
         raise NotSolved(f"{what}: not answered yet.")
     if verdict is not None:
-        raise NotSolved(f"{what}: {verdict}. {hint}".strip())
+        raise NotSolved(f"{what}: {verdict.rstrip('.')}. {hint}".strip())
     print(f"✓ {what}")
 
 

@@ -40,7 +40,8 @@ def wrap(model, mesh, how: str):
     """Sync plain weights and buffers over ``mesh["domain"]``, then wrap on ``mesh["ddp"]`` as asked.
 
     ``how``: "none" (gradients averaged by hand in ``train``), "ddp" (all parameters are plain
-    tensors), or "fsdp2" (``fully_shard`` on the ddp mesh: parameters become DTensors).
+    tensors; DDP broadcasts rank 0's weights to the replicas), or "fsdp2" (``fully_shard`` on the ddp
+    mesh: parameters become DTensors; it broadcasts nothing, so the replicas are synced first too).
     """
     from physicsnemo.domain_parallel import sync_module_over_mesh
 
@@ -48,6 +49,8 @@ def wrap(model, mesh, how: str):
         raise ValueError(f"how={how!r}: use one of {WRAPPERS}. FSDP1 and distribute_module are not options here.")
     if mesh["domain"].size() > 1:
         sync_module_over_mesh(model, mesh["domain"])  # before wrapping: FSDP2 would make them DTensors
+    if how == "fsdp2" and mesh["ddp"].size() > 1:
+        sync_module_over_mesh(model, mesh["ddp"])  # fully_shard broadcasts nothing: replicas keep their own init
     if how == "ddp":
         return DistributedDataParallel(model, process_group=mesh["ddp"].get_group())
     if how == "fsdp2":

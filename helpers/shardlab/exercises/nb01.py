@@ -1,0 +1,58 @@
+"""Judges of ``notebooks/01_launchers.ipynb``: the learner's launcher environment and each rank's identity."""
+
+from __future__ import annotations
+
+from ..launch import LaunchError, detect_launch
+
+# (rank, world size, processes per node): one node and several, so a local rank copied from the rank shows.
+TORCHRUN_CASES = ((2, 4, 4), (5, 8, 4), (7, 8, 4), (1, 2, 1))
+
+
+def torchrun_environment(make_env) -> str | None:
+    """``make_env(rank, world_size, nproc_per_node)`` must return what torchrun gives that process: judged by
+    reading it back with ``sl.detect_launch`` for several ranks, one node and several."""
+    if not callable(make_env):
+        return "define a function torchrun_environment(rank, world_size, nproc_per_node) that returns a dict"
+    meeting_points = set()
+    for rank, world, per_node in TORCHRUN_CASES:
+        env = make_env(rank, world, per_node)
+        where = f"for rank {rank} of {world} with {per_node} process(es) per node"
+        if not isinstance(env, dict):
+            return f"{where} it returned a {type(env).__name__}, not a dict of variables"
+        not_text = sorted(name for name, value in env.items() if not isinstance(value, str))
+        if not_text:
+            return (f"{where}, {', '.join(not_text)} are not strings: environment variables are always text "
+                    "(os.environ refuses anything else)")
+        if not {"MASTER_ADDR", "MASTER_PORT"} <= set(env):
+            return "torchrun also tells every process where rank 0 listens: MASTER_ADDR and MASTER_PORT"
+        try:
+            info = detect_launch(env)
+        except LaunchError as error:
+            return f"{where}, sl.detect_launch rejects it: {error}"
+        if info.launcher != "torchrun":
+            return f"{where} it is read as launcher {info.launcher!r}: use the variable names torchrun sets"
+        if info.rank != rank or info.world_size != world:
+            return f"{where} it reads as rank {info.rank} of {info.world_size}, which is not that process"
+        if info.local_rank != rank % per_node:
+            return (f"{where} the local rank reads as {info.local_rank}, which is wrong: LOCAL_RANK is the "
+                    "process's index on its own node (it picks the GPU), not its rank in the whole job")
+        meeting_points.add((env["MASTER_ADDR"], env["MASTER_PORT"]))
+    if len(meeting_points) > 1:
+        return ("MASTER_ADDR/MASTER_PORT differ between processes of one job: they all meet rank 0 at the same "
+                "address and port")
+    return None
+
+
+def rank_identity(answer) -> str | None:
+    """On a rank: ``answer`` must be ``(rank, local_rank, world_size)`` as that rank's DistributedManager says."""
+    from physicsnemo.distributed import DistributedManager
+
+    if not isinstance(answer, tuple) or len(answer) != 3:
+        return f"answer is {answer!r}: set it to a tuple of three ints, (rank, local_rank, world_size)"
+    manager = DistributedManager()
+    truth = {"rank": manager.rank, "local_rank": manager.local_rank, "world_size": manager.world_size}
+    wrong = [name for name, got in zip(truth, answer) if got != truth[name]]
+    if wrong:
+        verb = "differs" if len(wrong) == 1 else "differ"
+        return f"{' and '.join(wrong)} {verb} from what DistributedManager says on this rank"
+    return None
