@@ -4,7 +4,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 KERNEL := shardlab
+KERNEL_NAME := Python (shardlab: PhysicsNeMo distributed)
 STAMP  := $(VENV)/.installed
+# Extra options for `jupyter lab`, e.g. LAB_ARGS="--ip=0.0.0.0 --no-browser" in a container (container/).
+LAB_ARGS ?=
 
 # The lock is made by uv, installed into its own throwaway venv (never into .venv).
 LOCK_VENV  ?= .venv-lock
@@ -15,10 +18,22 @@ LOCK_CMD   := uv pip compile requirements.in --generate-hashes --python-version 
 # without it, packages already in requirements.txt keep their versions where requirements.in still allows them.
 LOCK_ARGS  ?=
 
-.PHONY: lab test test-fast gpu-check lint handout env lock clean-env
+.PHONY: lab test test-fast gpu-check lint handout env lock clean-env kernel-user slurm-start slurm-stop
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# The kernel spec in ~/.local/share/jupyter/kernels, where any Jupyter server of this user finds it: a JupyterHub
+# single-user server, or a JupyterLab not started from .venv. It runs .venv's Python (absolute path).
+kernel-user:
+	@test -x $(VENV)/bin/python || { echo "no $(VENV) yet: run make env first" >&2; exit 1; }
+	$(VENV)/bin/python -m ipykernel install --user --name $(KERNEL) --display-name "$(KERNEL_NAME)"
+
+# A single-node Slurm (and MPICH) on this machine, as root: what `make test` starts for its Slurm tests by itself.
+slurm-start:
+	bash scripts/local-slurm.sh start
+slurm-stop:
+	bash scripts/local-slurm.sh stop
 
 # Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time).
 test: $(STAMP)
@@ -40,15 +55,27 @@ handout: $(STAMP)
 
 env: $(STAMP)
 
+ifeq ($(SHARDLAB_CONTAINER),1)
+# Inside a container that brings PyTorch, PhysicsNeMo and an MPI (the NGC PhysicsNeMo image, container/): .venv
+# sees the container's packages, and only what the container lacks is added, under constraints that pin every
+# package the container has, so torch and its CUDA build are never replaced.
+$(STAMP): container/requirements.txt helpers/pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(VENV)/bin/python -m pip freeze --all > $(VENV)/container-constraints.txt
+	$(VENV)/bin/python -m pip install --quiet -c $(VENV)/container-constraints.txt -r container/requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
+	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_NAME)"
+	@touch $(STAMP)
+else
 # The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
 $(STAMP): requirements.txt helpers/pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
-	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) \
-		--display-name "Python (shardlab: PhysicsNeMo distributed)"
+	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_NAME)"
 	@touch $(STAMP)
+endif
 
 lock:
 	@test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)

@@ -1,12 +1,24 @@
 """Shared by every pytest run in this repository, `pytest --nbmake notebooks/` included: test
 categories (markers), and the guard that fails a run which leaves cluster or launcher processes
 behind. The guard only sees processes started from this run (they inherit its SHARDLAB_ORIGIN),
-so a learner's open cluster or another user's MPI job is never reported, let alone killed."""
+so a learner's open cluster or another user's MPI job is never reported, let alone killed.
 
+Tests marked ``slurm`` need a Slurm, tests marked ``mpich`` MPICH's mpiexec: the first of them
+starts a single-node Slurm with scripts/local-slurm.sh (which also installs MPICH), once per run
+(a file lock keeps two xdist workers from doing it twice), and the run stops it at the end if it
+started it. Where that cannot work (not root, no apt-get, another Slurm configured here) they skip,
+saying why."""
+
+import fcntl
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
+import psutil
 import pytest
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
@@ -16,8 +28,45 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):
 
 from shardlab import procs  # noqa: E402
 
+SESSION_ORIGIN = os.environ["SHARDLAB_ORIGIN"]
 collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/test_negative_notebooks.py runs them
 CATEGORIES = ("unit", "multirank", "notebook", "browser", "bench", "gpu")
+LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
+SLURM_STATE = Path("/run/shardlab-slurm")
+_needs: dict[str, str | None] = {}  # "slurm"/"mpich" -> None when usable, else why not (once per process)
+
+
+def _local_slurm(command: str) -> tuple[int, str]:
+    """Run scripts/local-slurm.sh COMMAND under a lock shared by every worker of this machine."""
+    lock_path = Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-local-slurm.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker installs and starts; the other waits, then finds it up
+        env = os.environ | {"SHARDLAB_ORIGIN": SESSION_ORIGIN}
+        out = subprocess.run(["bash", str(LOCAL_SLURM), command], capture_output=True, text=True, env=env,
+                             timeout=600)
+    return out.returncode, (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+
+
+def _why_not(need: str) -> str | None:
+    """None when this machine has what tests marked ``need`` use (starting it if it can), else the reason."""
+    if need not in _needs:
+        if os.environ.get("SHARDLAB_TEST_SLURM") == "off":
+            _needs[need] = "SHARDLAB_TEST_SLURM=off"
+        elif need == "mpich" and shutil.which("mpiexec.mpich"):
+            _needs[need] = None
+        else:
+            code, said = _local_slurm("start")
+            if need == "mpich":
+                _needs[need] = None if shutil.which("mpiexec.mpich") else f"MPICH's mpiexec.mpich is missing ({said})"
+            else:
+                _needs[need] = None if code == 0 else f"no single-node Slurm here: {said}"
+    return _needs[need]
+
+
+def pytest_runtest_setup(item):
+    for need in ("slurm", "mpich"):
+        if item.get_closest_marker(need) and (why := _why_not(need)):
+            pytest.skip(why)
 
 
 def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None) -> list:
@@ -39,7 +88,17 @@ def no_leftovers(request, monkeypatch):
     monkeypatch.setattr(procs, "_ORIGIN", mine)
     yield
     left = wait_for_no_leftovers(of_origin=mine)
-    assert not left, f"processes left behind by {request.node.nodeid}: {[(p.pid, p.name()) for p in left]}"
+    assert not left, f"processes left behind by {request.node.nodeid}: {_describe(left)}"
+
+
+def _describe(processes) -> list:
+    described = []
+    for p in processes:
+        try:
+            described.append((p.pid, " ".join(p.cmdline())[:120]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            described.append((p.pid, "(gone)"))
+    return described
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,7 +118,15 @@ def pytest_sessionfinish(session, exitstatus):
         return  # under xdist only the controller checks, once every worker is done
     left = wait_for_no_leftovers()
     if left:
-        names = [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+        names = _describe(left)
         procs.stop(left)
         print(f"\nFAILED: this run left processes behind (now stopped): {names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    try:
+        started_here = (SLURM_STATE / "started-by").read_text().strip() == SESSION_ORIGIN
+    except OSError:
+        started_here = False
+    if started_here:  # a Slurm this run started is stopped by it; one that was up before is left running
+        code, said = _local_slurm("stop")
+        if code != 0:
+            print(f"\nscripts/local-slurm.sh stop failed: {said}")

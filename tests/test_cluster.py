@@ -1,6 +1,7 @@
 """Cluster layer: bad arguments, start/stop on real MPI ranks, start-up errors that name what went wrong."""
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -124,3 +125,94 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
         assert cluster.alive_processes()
     assert not cluster.alive_processes()
     assert not profile.exists() and not cluster._record.path.exists()
+
+
+# -- who starts the engines: arguments, else the environment (so notebooks run unchanged) --------------------
+
+
+@pytest.fixture
+def no_cluster_variables(monkeypatch):
+    for name in ("SHARDLAB_ENGINES", "SHARDLAB_MPI", "SHARDLAB_CONTROLLER_IP", "SHARDLAB_SHARED_DIR", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_defaults_are_openmpi_on_loopback_in_the_temp_folder(no_cluster_variables):
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.engines, cluster.mpi, cluster.launcher, cluster.expected_method) == ("mpi", "openmpi", "openmpi",
+                                                                                         "openmpi")
+    assert cluster.controller_ip == "127.0.0.1" and cluster.shared_dir is None
+
+
+def test_the_environment_chooses_slurm_engines_for_unchanged_notebooks(no_cluster_variables, tmp_path):
+    no_cluster_variables.setenv("SHARDLAB_ENGINES", "slurm")
+    with pytest.raises(ValueError, match=r"SHARDLAB_CONTROLLER_IP='\*'"):
+        cl.MPICluster(n=2, device="cpu")  # engines on other nodes cannot reach loopback: say so
+    no_cluster_variables.setenv("SHARDLAB_CONTROLLER_IP", "*")
+    no_cluster_variables.setenv("SHARDLAB_SHARED_DIR", str(tmp_path))
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.launcher, cluster.expected_method, cluster.controller_ip) == ("slurm", "slurm", "*")
+    assert cluster.shared_dir == str(tmp_path)
+    # An argument wins over the environment.
+    assert cl.MPICluster(n=2, device="cpu", engines="mpi", controller_ip="127.0.0.1").launcher == "openmpi"
+
+
+def test_the_environment_chooses_mpich(no_cluster_variables):
+    no_cluster_variables.setenv("SHARDLAB_MPI", "mpich")
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.launcher, cluster.expected_method) == ("mpich", "env")
+
+
+@pytest.mark.parametrize("variable, value, match", [
+    ("SHARDLAB_ENGINES", "pbs", r"SHARDLAB_ENGINES='pbs': use 'mpi' \(mpiexec on this machine\) or 'slurm'"),
+    ("SHARDLAB_MPI", "intel", r"SHARDLAB_MPI='intel': use 'openmpi' \(.*\) or 'mpich' \(MPICH's hydra"),
+])
+def test_bad_environment_values_name_the_variable(no_cluster_variables, variable, value, match):
+    no_cluster_variables.setenv(variable, value)
+    with pytest.raises(ValueError, match=match):
+        cl.MPICluster(n=2, device="cpu")
+
+
+def test_bad_mpi_argument_says_what_to_use():
+    with pytest.raises(ValueError, match=r"mpi='intel': use 'openmpi' \(.*\) or 'mpich'"):
+        cl.MPICluster(n=2, mpi="intel")
+
+
+def _launcher(cluster, profile, monkeypatch):
+    """The engine launcher ipyparallel would build for this cluster, configured as start() does, not started."""
+    import ipyparallel as ipp
+
+    ipp_cluster = ipp.Cluster(engines=cluster._engine_launcher(), n=cluster.n, cluster_id=cluster.cluster_id,
+                              profile_dir=str(profile))
+    cluster._configure_engines(ipp_cluster.config, str(profile), cl.engine_environment("cpu"))
+    return ipp_cluster.engine_launcher_class(work_dir=".", parent=ipp_cluster, profile_dir=str(profile),
+                                             cluster_id=cluster.cluster_id)
+
+
+def test_outside_an_allocation_slurm_engines_are_one_sbatch_job_in_the_profile(no_cluster_variables, tmp_path):
+    cluster = cl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*",
+                            slurm_args=["--partition=gpu", "--time=02:00:00"])
+    launcher = _launcher(cluster, tmp_path, no_cluster_variables)
+    launcher.write_batch_script(4)
+    script = Path(launcher.batch_file).read_text()
+    assert Path(launcher.batch_file).parent == tmp_path  # in the profile, not in the notebook's folder
+    assert f"#SBATCH --job-name={cluster.job_name}\n#SBATCH --ntasks=4\n" in script
+    assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script
+    assert "\nsrun --kill-on-bad-exit=1 " in script and "ipengine" in script and "--mpi" not in script
+    assert launcher.get_env()["SHARDLAB_ORIGIN"] and launcher.get_env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_inside_an_allocation_srun_starts_the_engines_as_a_step(no_cluster_variables, tmp_path):
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    no_cluster_variables.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    no_cluster_variables.setenv("SLURM_JOB_ID", "42")
+    cluster = cl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*")
+    launcher = _launcher(cluster, tmp_path, no_cluster_variables)
+    launcher.n = 4
+    assert isinstance(launcher, cl.RankEngineSetLauncher)
+    args = launcher.find_args()
+    assert args[:4] == [str(fake), "-n", "4", "--kill-on-bad-exit=1"] and "--mpi" not in args
+

@@ -1,8 +1,10 @@
-"""detect_launch over plain environment dicts: no processes, no torch.distributed."""
+"""detect_launch over plain environment dicts, and launcher command lines: no processes, no torch.distributed."""
+
+import sys
 
 import pytest
 
-from shardlab.launch import LaunchError, LaunchInfo, detect_launch
+from shardlab.launch import LaunchError, LaunchInfo, detect_launch, job_command
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
@@ -98,3 +100,41 @@ def test_as_row_has_the_dataclass_fields():
     row = detect_launch(TORCHRUN).as_row()
     assert list(row) == list(LaunchInfo.__dataclass_fields__)
     assert row["launcher"] == "torchrun" and row["rank"] == 1 and row["note"] == ""
+
+
+def test_srun_command_runs_this_python_as_one_job_step(monkeypatch, tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert job_command("slurm", 4, "-m", "shardlab.smoke") == [
+        str(fake), "--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "-m", "shardlab.smoke"]
+
+
+def test_missing_srun_says_where_slurm_comes_from(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError, match=r"srun not found: run this on a Slurm cluster.*scripts/local-slurm.sh start"):
+        job_command("slurm", 2, "x.py")
+
+
+def test_unknown_launcher_lists_the_four():
+    with pytest.raises(ValueError, match="use torchrun, openmpi, mpich or slurm"):
+        job_command("pbs", 2, "x.py")
+
+
+def test_srun_inside_a_job_step_overlaps_it(monkeypatch, tmp_path):
+    """JupyterLab started with srun runs in a step; a second srun without --overlap would wait for it forever."""
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert job_command("slurm", 2, "x.py")[:4] == [str(fake), "--ntasks=2", "--kill-on-bad-exit=1", "--overlap"]
+
+
+def test_free_ports_are_below_the_range_outgoing_connections_take():
+    """A port from the ephemeral range could be handed to an engine's outgoing connection before rank 0 listens."""
+    from shardlab.launch import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    assert all(1024 <= port < low for port in (free_port() for _ in range(20)))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -133,5 +134,179 @@ def test_leftovers_are_only_processes_started_from_this_origin(tmp_path):
         assert ours.pid in found and unrelated.pid not in found
     finally:
         for proc in (unrelated, ours):
+            proc.kill()
+            proc.wait()
+
+
+# -- profile folders elsewhere (a folder every node of a Slurm job reads) ------------------------------------
+
+
+def test_a_profile_in_a_shared_folder_is_ours_and_cleaned_up(registry, tmp_path, sleeper):
+    shared = tmp_path / "shared"
+    profile = Path(procs.make_profile_dir("shardlab-test", shared))
+    assert profile.parent == shared and profile.stat().st_mode & 0o777 == 0o700
+    assert procs.created_profile_dir(profile)
+    _record(sleeper, *_dead_owner(), profile)
+    assert procs.clean_stale_clusters() == 1
+    assert not profile.exists() and shared.exists()
+
+
+def test_our_prefix_alone_or_a_copied_marker_is_not_enough(registry, tmp_path):
+    """Only the folder make_profile_dir created is deleted: the name prefix and the marker must both say so."""
+    no_marker = tmp_path / f"{procs.profile_prefix()}lookalike"
+    no_marker.mkdir()
+    copied = tmp_path / f"{procs.profile_prefix()}copied"
+    copied.mkdir()
+    real = Path(procs.make_profile_dir("shardlab-test", tmp_path))
+    (copied / procs.PROFILE_MARKER).write_text((real / procs.PROFILE_MARKER).read_text())  # names another folder
+    linked = tmp_path / f"{procs.profile_prefix()}linked"
+    linked.symlink_to(real)
+    for target in (no_marker, copied, linked):
+        assert not procs.created_profile_dir(target)
+        procs.Record("shardlab-test", *_dead_owner(), str(target)).save()
+        procs.clean_stale_clusters()
+        assert target.exists(), f"{target} was deleted"
+    assert real.exists()
+
+
+# -- a second user on the same machine (needs root to become one) ---------------------------------------------
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(procs.user_id() != 0, reason="needs root, to run code as a second user (nobody)")
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch):
+    """A temp folder both users write to, like /tmp (sticky, world-writable), used as the temp folder by both."""
+    path = Path(tempfile.mkdtemp(prefix="shardlab-two-users-"))
+    path.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    monkeypatch.delenv("SHARDLAB_REGISTRY", raising=False)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def _become_nobody():
+    os.setgid(NOBODY)
+    os.setgroups([])
+    os.setuid(NOBODY)
+
+
+def _second_users_python() -> list[str] | None:
+    """An interpreter the second user may run that imports shardlab.procs: this one, else the system's Python of
+    the same version with this environment's packages (this one may sit in root's home, closed to others)."""
+    import site
+    import sysconfig
+
+    paths = os.pathsep.join([str(Path(procs.__file__).parents[1]), sysconfig.get_paths()["purelib"],
+                             *site.getsitepackages()])
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python, env in ((sys.executable, {}), (shutil.which(version, path="/usr/bin:/usr/local/bin"),
+                                                {"PYTHONPATH": paths})):
+        if python is None:
+            continue
+        try:
+            probe = subprocess.run([python, "-c", "from shardlab import procs"], env={"PATH": os.environ["PATH"]} | env,
+                                   capture_output=True, timeout=60, preexec_fn=_become_nobody, cwd="/")
+        except OSError:
+            continue
+        if probe.returncode == 0:
+            return [python, env.get("PYTHONPATH", "")]
+    return None
+
+
+def as_nobody(code: str, tmp: Path) -> subprocess.CompletedProcess:
+    python = _second_users_python()
+    if python is None:
+        pytest.skip("no Python here that a second user (nobody) may run with shardlab importable")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "TMPDIR": str(tmp), procs.ORIGIN: os.environ[procs.ORIGIN]}
+    if python[1]:
+        env["PYTHONPATH"] = python[1]
+    return subprocess.run([python[0], "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=_become_nobody, cwd=tmp)
+
+
+@needs_root
+def test_another_users_registry_folder_is_refused_not_trusted(shared_tmp):
+    """Another user creates the folder where this user's registry would go, with a record in it naming this
+    user's folder: shardlab refuses to use it, says why, and deletes nothing."""
+    precious = Path(procs.make_profile_dir("shardlab-mine"))  # a real profile of ours, a tempting target
+    out = as_nobody(f"""
+import json, os
+path = os.path.join({str(shared_tmp)!r}, "shardlab-0-registry")
+os.mkdir(path, 0o700)
+with open(os.path.join(path, "evil.json"), "w") as f:
+    json.dump({{"cluster_id": "evil", "owner_pid": 1, "owner_created": 0.0, "profile_dir": {str(precious)!r},
+               "processes": []}}, f)
+""", shared_tmp)
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(procs.UnsafeFolder, match=rf"belongs to user id {NOBODY}, not to you \(0\).*SHARDLAB_REGISTRY"):
+        procs.clean_stale_clusters()
+    assert precious.exists()
+
+
+@needs_root
+def test_a_second_user_sees_none_of_our_processes_and_stops_nothing(shared_tmp, sleeper):
+    """nobody runs what a test session or start_cluster runs: reading our processes' environments is denied
+    (AccessDenied, handled), our processes are not theirs, and a record of theirs naming our process and our
+    profile folder touches neither."""
+    ours = subprocess.Popen(SLEEP, env=os.environ | procs.marked_environment())
+    profile = Path(procs.make_profile_dir("shardlab-mine"))
+    try:
+        created = psutil.Process(ours.pid).create_time()
+        out = as_nobody(f"""
+import json
+from shardlab import procs
+print(json.dumps([p.pid for p in procs.leftover_processes()]))
+procs.Record("shardlab-theirs", 1, 0.0, {str(profile)!r}, [({ours.pid}, {created})]).save()
+print(procs.clean_stale_clusters())
+""", shared_tmp)
+        assert out.returncode == 0, out.stderr[-2000:]
+        found, cleaned = out.stdout.split()
+        assert json.loads(found) == [] and cleaned == "1"
+        time.sleep(0.2)
+        assert ours.poll() is None and profile.exists()
+    finally:
+        ours.kill()
+        ours.wait()
+
+
+# -- the test session's guard, through a whole pytest run ------------------------------------------------------
+
+INNER_TEST = """
+import subprocess, sys
+
+def test_leaves_a_process_behind():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # inherits this run's origin
+"""
+
+
+@pytest.mark.multirank
+def test_the_session_guard_stops_only_what_its_run_started(tmp_path):
+    """An mpiexec-named process nobody marked, and a learner's engine marked with its kernel's origin, stay alive
+    through a whole pytest run whose guard finds, reports and stops the one process that run left behind."""
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "bin" / "mpiexec"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport time; time.sleep(300)\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in (procs.ORIGIN, "PYTEST_XDIST_WORKER")}
+    unrelated = subprocess.Popen([str(fake), "-n", "4", "ipengine", "--mpi"], env=env)
+    learner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "ipengine"],
+                               env=env | {procs.ORIGIN: "learner-kernel-1234"})
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(root / "conftest.py", run / "conftest.py")
+    (run / "pytest.ini").write_text("[pytest]\n")
+    (run / "test_inner.py").write_text(INNER_TEST)
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                              "test_inner.py"], cwd=run, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 1 and "this run left processes behind (now stopped)" in out.stdout, out.stdout[-2000:]
+        reported = out.stdout.split("this run left processes behind (now stopped):")[1]
+        assert "time.sleep(120)" in reported and str(unrelated.pid) not in reported
+        assert unrelated.poll() is None and learner.poll() is None
+    finally:
+        for proc in (unrelated, learner):
             proc.kill()
             proc.wait()

@@ -1,4 +1,5 @@
-"""The smoke CLI on real ranks: torchrun (2 and 4), mpirun (2) and a simulated MPICH launch (2), CPU."""
+"""The smoke CLI on real ranks, CPU: torchrun (2 and 4) and mpirun (2). MPICH's mpiexec: tests/test_mpich.py;
+Slurm's srun: tests/test_slurm.py."""
 
 import json
 import subprocess

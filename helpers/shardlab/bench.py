@@ -58,7 +58,7 @@ def _run_script(launcher: str, n: int, code: str, marker: str, device: str) -> t
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "script.py"
         script.write_text(code)
-        env = clean_environment(**mpi_environment(), **engine_environment(device), MASTER_ADDR="127.0.0.1",
+        env = clean_environment(**(mpi_environment() | engine_environment(device)), MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(free_port()))
         t0 = time.perf_counter()
         proc = subprocess.run(job_command(launcher, n, str(script)), capture_output=True, text=True, timeout=600,

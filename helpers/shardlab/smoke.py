@@ -194,23 +194,30 @@ def what_this_machine_proves(facts: dict) -> list[dict]:
     return rows
 
 
-LAUNCHERS = ("torchrun", "openmpi", "mpich")
+LAUNCHERS = ("torchrun", "openmpi", "mpich", "slurm")
 
 
 def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
-    """Run ``python -m shardlab.smoke --distributed`` on n local ranks with ``launcher`` (torchrun,
-    openmpi or mpich); return its JSON report, with ``command``, ``seconds`` and ``returncode`` added."""
+    """Run ``python -m shardlab.smoke --distributed`` on n ranks with ``launcher`` (torchrun, openmpi or
+    mpich on this machine, or slurm's srun); return its JSON report, with ``command``, ``seconds`` and
+    ``returncode`` added."""
     args = ["-m", "shardlab.smoke", "--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
     cmd = job_command(launcher, n, *args)
-    env = clean_environment(**mpi_environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    # Fewer GPUs than ranks (a 1-GPU laptop): the job runs on CPU ranks rather than bind GPUs that do not exist.
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
+    env = clean_environment(**mpi_environment(), **hidden, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher and every rank it started (srun cancels its job step)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
         raise TimeoutError(f"{launcher} did not finish within {timeout_s:.0f} s: {' '.join(cmd)}") from None
     seconds = time.perf_counter() - t0
     try:
