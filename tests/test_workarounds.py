@@ -148,3 +148,29 @@ def test_the_series_registers_every_handler_but_the_point_cloud_ones():
         "upstream's register_custom_ops() registers handlers that neither SERIES_SHARD_WRAPPERS nor the skipped "
         f"point-cloud modules cover: {sorted(keys['full'] - keys['series'] - keys['skipped'])}; add their module "
         "to SERIES_SHARD_WRAPPERS in shardlab/workarounds.py")
+
+
+SUBMESH_HASH = """
+import sys
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", rank=int(sys.argv[1]), world_size=4, store=FakeStore())
+domain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ddp", "domain"))["domain"]  # CPU-only: no comms
+print("HASH", domain.mesh.tolist(), domain._stable_hash())
+"""
+
+
+def test_submeshes_of_different_ranks_still_share_a_cache_key_upstream():
+    """Ranks 0 and 2 are in different domain groups ([0, 1] and [2, 3]): their submeshes should hash apart."""
+    seen = []
+    for rank in (0, 2):
+        result = subprocess.run([sys.executable, "-c", SUBMESH_HASH, str(rank)], capture_output=True, text=True,
+                                timeout=TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen.append(result.stdout.split("HASH", 1)[1].split())
+    assert seen[0][:2] != seen[1][:2]  # different ranks...
+    assert seen[0][-1] == seen[1][-1], (
+        "upstream: submeshes of different ranks now hash apart (pytorch/pytorch#173789). Check ShardTensor's "
+        "cache key too, then delete no_cross_rank_autograd_cache from shardlab/workarounds.py"
+    )

@@ -150,9 +150,10 @@ class MPICluster:
         self.shared_dir = shared_dir or os.environ.get("SHARDLAB_SHARED_DIR") or None
         self.slurm_args = list(slurm_args)
         if self.device == "cuda" and self.n > gpus:
+            instead = f"use one engine per GPU (n={gpus}), or" if gpus else "no GPU is visible here: use"
             raise ClusterError(
                 f"n={self.n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
-                f"use one engine per GPU (n={gpus or 'None'}), or device='cpu' for {self.n} CPU ranks."  # CPU-only
+                f"{instead} device='cpu' for {self.n} CPU ranks."  # CPU-only: the advice itself
             )
         self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
         self.start_timeout_s = start_timeout_s
@@ -365,6 +366,7 @@ class MPICluster:
                     return get(timeout=timeout_s if timeout is None else timeout, **options)
                 except ipp.error.TimeoutError:
                     busy = [rank for rank, part in zip(targets, result.split()) if not part.ready()]
+                    result.display_outputs = lambda *args, **kwargs: None  # %%px shows outputs; none are ready
                     raise ClusterError(
                         f"%%px: rank(s) {busy} did not finish within {timeout_s:.0f} s (cell_timeout_s). If they "
                         "wait in a collective, another rank never joined it. Interrupt the kernel to send them "

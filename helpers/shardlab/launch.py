@@ -378,6 +378,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
             with workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise():
                 DistributedManager.initialize()
         phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
+        workarounds.no_cross_rank_autograd_cache()
         if not torch.cuda.is_available():
             workarounds.register_shard_ops_on_cpu()
             phases["ShardTensor ops (imports Warp)"] = time.perf_counter() - t0 - sum(phases.values())

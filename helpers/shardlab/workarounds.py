@@ -69,6 +69,21 @@ def nccl_errors_raise():
         dist.init_process_group = original
 
 
+def no_cross_rank_autograd_cache() -> None:
+    """Keep a rank from loading a graph another rank compiled, from the AOTAutograd cache on disk.
+
+    Upstream: PhysicsNeMo 2.2.2's ``ShardTensor._stable_hash_for_caching`` keys the cache on the spec and
+    ``requires_grad`` only, and a submesh's stable hash does not say which ranks it holds
+    (pytorch/pytorch#173789; the DTensor side, pytorch/pytorch#188390, was fixed in PR #188401 by adding
+    the device, which still leaves every CPU rank on ``cpu``). Ranks of different domain groups share keys:
+    from the second run on, one loads a graph naming another group's process group and fails with "Could not
+    resolve the process group registered under the name N". Inductor's kernel cache below it stays on.
+    """
+    import torch._functorch.config
+
+    torch._functorch.config.enable_autograd_cache = False
+
+
 # The shard-aware wrappers for the operations this series uses. Upstream's register_shard_wrappers()
 # also imports knn, mesh_ops, natten_patches and point_cloud_ops (k-nearest neighbours, signed distance
 # fields, neighbourhood attention, radius search): their imports pull in physicsnemo.nn, which was most of
