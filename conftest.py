@@ -111,6 +111,9 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"{item.nodeid} starts processes: mark it multirank, notebook, browser "
                                         "or bench")
             item.add_marker(pytest.mark.unit)
+    # The slowest kinds first: with several workers, the run then ends on short tests, not on one long tail.
+    first = ("slurm", "notebook", "browser", "bench", "multirank")
+    items.sort(key=lambda item: next((i for i, name in enumerate(first) if item.get_closest_marker(name)), len(first)))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -22,9 +22,9 @@ def test_single_process_reports_versions_and_device():
 @pytest.mark.parametrize(
     "launcher, n, expected_mesh, expected_method",
     [
-        ("torchrun", 2, {"ddp": 1, "domain": 2}, "env"),
+        # notebooks/01_launchers.ipynb runs both launchers on 2 ranks; these run them on 4 (a 2x2 mesh)
         ("torchrun", 4, {"ddp": 2, "domain": 2}, "env"),
-        ("openmpi", 2, {"ddp": 1, "domain": 2}, "openmpi"),
+        ("openmpi", 4, {"ddp": 2, "domain": 2}, "openmpi"),
     ],
 )
 def test_distributed_checks_pass_on_every_rank(launcher, n, expected_mesh, expected_method, no_leftovers):

@@ -290,8 +290,22 @@ class MPICluster:
         return "\n".join(o for o in out if o).strip()[-3000:]
 
     def _wait_for_engines(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
         try:
-            self.client.wait_for_engines(self.n, timeout=self.start_timeout_s, interactive=False)
+            # In short waits: wait_for_engines notices an engine set that stops while it waits, but not one
+            # that stopped before it began (a launcher that fails at once), so each round also asks the launchers.
+            while True:
+                try:
+                    self.client.wait_for_engines(self.n, timeout=min(2.0, max(0.0, deadline - time.monotonic())),
+                                                 interactive=False)
+                    return
+                except TimeoutError:
+                    stopped = self.launcher != "slurm" and any(  # mpiexec runs as long as its engines (sbatch does not)
+                        getattr(es, "process", None) is not None and not procs.alive([(es.process.pid,
+                                                                                        es.process.create_time())])
+                        for es in self._cluster.engines.values())
+                    if stopped or time.monotonic() >= deadline:
+                        raise EngineError("the engine launcher has exited" if stopped else "timed out") from None
         except (TimeoutError, EngineError) as error:
             started = {"openmpi": "mpiexec", "mpich": "mpiexec (MPICH)", "slurm": "srun"}[self.launcher]
             queued = self._job_state()
