@@ -107,12 +107,17 @@ def test_load_darcy_missing_file_says_how_to_regenerate(tmp_path, monkeypatch):
 
 def test_a_non_editable_install_finds_the_data(tmp_path):
     """The package ships the dataset (a link to data/ in the repository, a copy in a wheel)."""
+    import shutil
     import subprocess
     import sys
 
-    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    wheel_dir, target, source = tmp_path / "wheel", tmp_path / "site", tmp_path / "source"
+    # Built from a copy (the dataset link resolves inside it): setuptools writes build/ beside the sources it builds.
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(REPO / "helpers", source / "helpers", symlinks=True, ignore=skip)
+    shutil.copytree(REPO / "data", source / "data")
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(wheel_dir), str(REPO / "helpers")], capture_output=True, text=True, timeout=300)
+                            str(wheel_dir), str(source / "helpers")], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next(wheel_dir.glob("shardlab-*.whl"))
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),

@@ -381,7 +381,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         workarounds.no_cross_rank_autograd_cache()
         if not torch.cuda.is_available():
             workarounds.register_shard_ops_on_cpu()
-            phases["ShardTensor ops (imports Warp)"] = time.perf_counter() - t0 - sum(phases.values())
+            phases["ShardTensor ops registered (CPU)"] = time.perf_counter() - t0 - sum(phases.values())
 
     manager = DistributedManager()
     backend = dist.get_backend() if manager.distributed and dist.is_initialized() else None
