@@ -20,22 +20,15 @@ def cpu_safe_process_group_init(timeout: timedelta):
     that is not an accelerator with an index (ValueError), and PhysicsNeMo only catches
     TypeError. It also passes no timeout, so gloo would wait 30 minutes for a missing rank.
     """
-    import torch.distributed as dist
 
-    original = dist.init_process_group
-
-    def init_process_group(*args, **kwargs):
+    def adjust(kwargs):
         device_id = kwargs.get("device_id")
         if device_id is not None and getattr(device_id, "type", None) == "cpu":
             del kwargs["device_id"]
         kwargs.setdefault("timeout", timeout)
-        return original(*args, **kwargs)
 
-    dist.init_process_group = init_process_group
-    try:
+    with _init_process_group_adjusted(adjust):
         yield
-    finally:
-        dist.init_process_group = original
 
 
 @contextlib.contextmanager
@@ -53,13 +46,24 @@ def nccl_errors_raise():
     """
     import os
 
+    def adjust(_kwargs):
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+
+    with _init_process_group_adjusted(adjust):
+        yield
+
+
+@contextlib.contextmanager
+def _init_process_group_adjusted(adjust):
+    """While the block runs, ``torch.distributed.init_process_group`` first calls ``adjust(kwargs)``
+    (it may edit the call's keywords): the one call upstream makes that both workarounds above correct."""
     import torch.distributed as dist
 
     original = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
-        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        adjust(kwargs)
         return original(*args, **kwargs)
 
     dist.init_process_group = init_process_group
