@@ -12,6 +12,7 @@ Timings are this machine's, on the CPU ranks it has; they say nothing about GPUs
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -124,8 +125,6 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m shardlab.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the cluster and of the scripts (default 4)")
     parser.add_argument("--json", help="also write the rows, machine and date as JSON to this file")

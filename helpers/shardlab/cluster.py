@@ -32,6 +32,7 @@ import psutil
 import torch
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from ipyparallel.error import AlreadyDisplayedError, CompositeError, EngineError
+from IPython import get_ipython
 
 from . import launch, procs
 from .report import rank_errors, summarize_rank_errors
@@ -359,8 +360,6 @@ class MPICluster:
         With ``cell_timeout_s``, a ``%%px`` cell that has not finished on every rank after that many
         seconds fails, naming the ranks still busy, instead of waiting for ever.
         """
-        from IPython import get_ipython
-
         ip = get_ipython()
         self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
         if ip is None:

@@ -13,6 +13,7 @@ what needs two or more is listed, not guessed. Without a GPU it says so and exit
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .launch import clean_environment, free_port, torchrun_command
+from .plan import gpu_check as plan_gpu_check
 from .smoke import run_smoke
 
 BUDGET_S = 8 * 60
@@ -109,8 +111,7 @@ def checks(gpus: int, deadline: float) -> list[dict]:
     record("state bytes per rank: CUDA peaks beside the byte model", state_memory)
 
     def memory_planner():
-        from .plan import gpu_check
-        return gpu_check(gpus, left())
+        return plan_gpu_check(gpus, left())
     record("memory planner: predicted peak per rank within 10 % of max_memory_allocated", memory_planner)
 
     def compile_speed():
@@ -122,8 +123,6 @@ def checks(gpus: int, deadline: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m shardlab.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows, the GPUs and the date to this file")
     args = parser.parse_args(argv)

@@ -5,9 +5,12 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -337,10 +340,6 @@ def main(argv=None) -> int:
     """Print measurements as stable tables: ``python -m shardlab.measure TABLE [TABLE ...] | all``.
 
     Tables that need ranks run together in one torchrun job (one start-up, not one per table)."""
-    import argparse
-    import json
-    import tempfile
-
     parser = argparse.ArgumentParser(prog="python -m shardlab.measure", description=main.__doc__)
     parser.add_argument("what", nargs="+", choices=[*TABLES, "all"], help="tables, or all of them, in one run")
     parser.add_argument("--sizes", type=int, nargs="+",

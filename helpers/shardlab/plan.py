@@ -31,12 +31,16 @@ is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as he
 
 from __future__ import annotations
 
+import argparse
 import copy
+import gc
 import json
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -48,6 +52,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .launch import (
+    clean_environment,
+    detect_launch,
+    free_port,
+    init_distributed,
+    shutdown_distributed,
+    torchrun_command,
+)
+from .mesh import build_mesh
 from .models import conv_stack
 from .report import Table
 
@@ -810,12 +823,7 @@ def _case_samples(case: dict, steps: int = 2):
 
 def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
     """On every rank of a launched job: each case measured once (cases with equal models share a run)."""
-    import gc
-
     import torch.distributed as dist
-
-    from .launch import init_distributed
-    from .mesh import build_mesh
 
     state = init_distributed(timeout_s)
     results, done = [], {}
@@ -856,11 +864,6 @@ def comparison_table(measurement: dict) -> list[dict]:
 def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
     """For ``make gpu-check``: the planner's predicted peak per rank against ``max_memory_allocated`` on real GPUs,
     within 10 %, on a ``field_size``² field (DDP and FSDP2; N = 1, and N = number of GPUs when it is 2 or more)."""
-    import subprocess
-    import tempfile
-
-    from .launch import clean_environment, free_port, torchrun_command
-
     cases = []
     for n in sorted({1, gpus}):
         for wrapper in ("ddp", "fsdp2"):
@@ -916,8 +919,6 @@ def _print_plan(planner: Planner, result: Plan, capacity: int | None) -> dict | 
 def main(argv=None) -> int:
     """Predict every rank's memory for a field, a model and a (ddp, domain) layout; with --measure, measure the
     series' own cases on real ranks and compare."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m shardlab.plan", description=main.__doc__)
     parser.add_argument("--field", default="4096x4096", help="spatial size, e.g. 4096x4096 or 512x512x512")
     parser.add_argument("--domain", type=int, default=1, help="ranks that shard one sample (domain axis)")
@@ -962,10 +963,6 @@ def main(argv=None) -> int:
 
 
 def _measure_main(args, argv) -> int:
-    import subprocess
-
-    from .launch import clean_environment, detect_launch, shutdown_distributed, torchrun_command
-
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, with the same arguments
         argv = sys.argv[1:] if argv is None else list(argv)
         cmd = torchrun_command(args.ranks, "-m", "shardlab.plan", *argv)

@@ -8,6 +8,7 @@ the functions: ``launch`` imports this module in notebook kernels that never ini
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 
 
@@ -44,7 +45,6 @@ def nccl_errors_raise():
     communicator without killing the process, so a ``%%px`` cell reports the error). The price:
     every NCCL collective waits on the host. gloo reads neither variable.
     """
-    import os
 
     def adjust(_kwargs):
         os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
