@@ -154,16 +154,6 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _conv_stack_3d(width: int, layers: int, kernel_size: int):
-    channels = [1] + [width] * (layers - 1) + [1]
-    blocks = []
-    for i, (c_in, c_out) in enumerate(zip(channels, channels[1:])):
-        blocks.append(torch.nn.Conv3d(c_in, c_out, kernel_size, padding=kernel_size // 2))
-        if i < layers - 1:
-            blocks.append(torch.nn.GELU())
-    return torch.nn.Sequential(*blocks)
-
-
 def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int = 3, device="meta"):
     """The series' surrogate, ``sl.models.conv_stack``, for a 2-D field; the same stack of Conv3d for a 3-D one.
 
@@ -172,11 +162,7 @@ def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int 
     if depth < 1 or width < 1:
         raise ValueError(f"width={width}, depth={depth}: both must be at least 1.")
     with torch.device(device):
-        if dims == 2:
-            return conv_stack(width=width, layers=depth, kernel_size=kernel_size)
-        if dims == 3:
-            return _conv_stack_3d(width, depth, kernel_size)
-    raise ValueError(f"a {dims}-D field: the conv_stack model exists for 2-D and 3-D fields.")
+        return conv_stack(width=width, layers=depth, kernel_size=kernel_size, dims=dims)
 
 
 # --------------------------------------------------------------------------------------------------------------
