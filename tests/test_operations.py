@@ -2,6 +2,7 @@
 hung %%px cell interrupted from the kernel (what JupyterLab's stop button does) with the ranks recovering,
 memory per engine and per learner measured, and the container recipe's `make lab` path."""
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,17 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    """A module of scripts/, which are run as files, not installed."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_in_kernel = _script("learner_memory").run  # runs code in a kernel: what it printed, or RuntimeError if it failed
 
 
 def _as_another_server(home: Path) -> dict:
@@ -46,20 +58,6 @@ def test_make_kernel_user_installs_the_kernel_where_jupyterhub_finds_it(tmp_path
              "print(''.join(out).strip())\n")
     ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=180)
     assert ran.returncode == 0 and ran.stdout.strip().endswith(sys.executable), ran.stderr[-2000:]
-
-
-def _execute(kc, code: str, timeout_s: float) -> tuple[dict, str]:
-    """Run code in the kernel and wait for its reply; (reply content, everything it printed)."""
-    printed = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            printed.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            printed.append("\n".join(msg["content"]["traceback"]))
-
-    reply = kc.execute_interactive(code, timeout=timeout_s, output_hook=hook)
-    return reply["content"], "".join(printed)
 
 
 def _wait_for_reply(kc, msg_id: str, timeout_s: float) -> dict:
@@ -96,16 +94,13 @@ def test_interrupting_a_hung_px_cell_reaches_the_ranks_and_they_recover(no_lefto
     km, kc = start_new_kernel(kernel_name="shardlab", startup_timeout=120,
                               env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
     try:
-        reply, said = _execute(kc, START, 400)
-        assert reply["status"] == "ok", said
+        run_in_kernel(kc, START, 400)
         msg_id = kc.execute(SLEEPS)
         time.sleep(8)  # the cell is running on both ranks
         km.interrupt_kernel()
         _wait_for_reply(kc, msg_id, 60)  # the interrupted cell replies (its ranks' sleeps are measured below)
-        reply, said = _execute(kc, "%%px\nslept = time.time() - started", 60)
-        assert reply["status"] == "ok", said
-        reply, said = _execute(kc, "print(cluster.view.pull('slept'), [s['pid'] for s in cluster.table()] == pids)",
-                               60)
+        run_in_kernel(kc, "%%px\nslept = time.time() - started", 60)
+        said = run_in_kernel(kc, "print(cluster.view.pull('slept'), [s['pid'] for s in cluster.table()] == pids)", 60)
         slept, same_ranks = re.fullmatch(r"\[(.*)\] (True|False)\s*", said).groups()
         assert all(float(s) < 60 for s in slept.split(",")) and same_ranks == "True", said
 
@@ -115,10 +110,9 @@ def test_interrupting_a_hung_px_cell_reaches_the_ranks_and_they_recover(no_lefto
         time.sleep(5)
         km.interrupt_kernel()
         _wait_for_reply(kc, msg_id, 60)
-        reply, said = _execute(kc, RESTART, 400)
-        assert reply["status"] == "ok" and said.strip().endswith("[2.0, 2.0] set()"), said
-        reply, said = _execute(kc, "cluster.stop()", 60)
-        assert reply["status"] == "ok", said
+        said = run_in_kernel(kc, RESTART, 400)
+        assert said.strip().endswith("[2.0, 2.0] set()"), said
+        run_in_kernel(kc, "cluster.stop()", 60)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
