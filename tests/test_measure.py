@@ -71,9 +71,9 @@ dist.destroy_process_group()
 
 
 def test_collective_bytes_counts_calls_and_bytes_per_collective():
-    from shardlab.launch import clean_environment, free_port
+    from shardlab.launch import job_environment
 
-    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    env = job_environment(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", COLLECTIVES], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cost = json.loads(proc.stdout.split("COST", 1)[1])

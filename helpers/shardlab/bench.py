@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .cluster import MPICluster, engine_environment
-from .launch import clean_environment, free_port, job_command, mpi_environment
+from .launch import job_command, job_environment
 
 # The per-rank work of a cluster start, without the cluster: rank 0 prints the slowest rank's phases.
 SAME_WORK = """
@@ -59,8 +59,7 @@ def _run_script(launcher: str, n: int, code: str, marker: str, device: str) -> t
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "script.py"
         script.write_text(code)
-        env = clean_environment(**(mpi_environment() | engine_environment(device)), MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(free_port()))
+        env = job_environment(**engine_environment(device))  # engine_environment includes mpi_environment
         t0 = time.perf_counter()
         proc = subprocess.run(job_command(launcher, n, str(script)), capture_output=True, text=True, timeout=600,
                               env=env)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .launch import clean_environment, free_port, torchrun_command
+from .launch import job_environment, torchrun_command
 from .plan import gpu_check as plan_gpu_check
 from .smoke import run_smoke
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]  # a checkout: helpers/shardlab/gpuch
 
 def _run(cmd: list[str], timeout_s: float, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env=clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env))
+                          env=job_environment(**env))
 
 
 def _measure(table: str, ranks: int, sizes: list[int], timeout_s: float) -> dict:

@@ -210,6 +210,11 @@ def clean_environment(**extra: str) -> dict[str, str]:
     return env | procs.marked_environment() | extra
 
 
+def job_environment(**extra: str) -> dict[str, str]:
+    """``clean_environment`` for a job of ranks on this machine: rank 0 listens on loopback, on a free port."""
+    return clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra)
+
+
 def torchrun_command(n: int, *program: str) -> list[str]:
     """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *program]

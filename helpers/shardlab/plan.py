@@ -55,8 +55,8 @@ from torch.utils._pytree import tree_flatten
 from .launch import (
     clean_environment,
     detect_launch,
-    free_port,
     init_distributed,
+    job_environment,
     shutdown_distributed,
     torchrun_command,
 )
@@ -861,7 +861,7 @@ def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tu
         spec.write_text(json.dumps(cases))
         cmd = torchrun_command(gpus, "-m", "shardlab.plan", "--measure", "--cases", str(spec), "--json", str(out))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env=clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+                              env=job_environment())
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
         measurement = json.loads(out.read_text())

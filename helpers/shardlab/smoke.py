@@ -24,11 +24,10 @@ from torch.distributed.tensor import Shard
 
 from .launch import (
     LaunchError,
-    clean_environment,
     default_device,
-    free_port,
     init_distributed,
     job_command,
+    job_environment,
     mpi_environment,
     shutdown_distributed,
 )
@@ -205,7 +204,7 @@ def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, 
     cmd = job_command(launcher, n, *args)
     # Fewer GPUs than ranks (a 1-GPU laptop): the job runs on CPU ranks rather than bind GPUs that do not exist.
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
-    env = clean_environment(**mpi_environment(), **hidden, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = job_environment(**mpi_environment(), **hidden)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
