@@ -283,9 +283,13 @@ class MPICluster:
         here = os.uname().nodename
         pids += [p for state in self.states if state.get("hostname") == here for p in procs.process_tree(state["pid"])]
         self._record.processes = sorted(set(map(tuple, self._record.processes)) | set(pids))
-        jobs = [launcher.job_id for launcher in self._cluster.engines.values() if getattr(launcher, "job_id", "")]
-        self._record.jobs = sorted(set(self._record.jobs) | set(jobs))
+        self._record_jobs(self._cluster)
         self._record.save()
+
+    def _record_jobs(self, cluster) -> None:
+        """Add the Slurm jobs that sbatch submitted for ``cluster``'s engines to the record."""
+        jobs = [launcher.job_id for launcher in cluster.engines.values() if getattr(launcher, "job_id", "")]
+        self._record.jobs = sorted(set(self._record.jobs) | set(jobs))
 
     def _launcher_output(self) -> str:
         out = []
@@ -467,8 +471,7 @@ class MPICluster:
         if self._cluster is None:
             return
         cluster, self._cluster = self._cluster, None
-        jobs = [launcher.job_id for launcher in cluster.engines.values() if getattr(launcher, "job_id", "")]
-        self._record.jobs = sorted(set(self._record.jobs) | set(jobs))
+        self._record_jobs(cluster)
         try:
             if self.client is not None:
                 self.client.close()
