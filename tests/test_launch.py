@@ -102,13 +102,19 @@ def test_as_row_has_the_dataclass_fields():
     assert row["launcher"] == "torchrun" and row["rank"] == 1 and row["note"] == ""
 
 
-def test_srun_command_runs_this_python_as_one_job_step(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_srun(monkeypatch, tmp_path):
+    """An ``srun`` (that does nothing) alone on PATH."""
     fake = tmp_path / "srun"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
+    return fake
+
+
+def test_srun_command_runs_this_python_as_one_job_step(fake_srun):
     assert job_command("slurm", 4, "-m", "shardlab.smoke") == [
-        str(fake), "--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "-m", "shardlab.smoke"]
+        str(fake_srun), "--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "-m", "shardlab.smoke"]
 
 
 def test_missing_srun_says_where_slurm_comes_from(monkeypatch, tmp_path):
@@ -122,14 +128,10 @@ def test_unknown_launcher_lists_the_four():
         job_command("pbs", 2, "x.py")
 
 
-def test_srun_inside_a_job_step_overlaps_it(monkeypatch, tmp_path):
+def test_srun_inside_a_job_step_overlaps_it(fake_srun, monkeypatch):
     """JupyterLab started with srun runs in a step; a second srun without --overlap would wait for it forever."""
-    fake = tmp_path / "srun"
-    fake.write_text("#!/bin/sh\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("SLURM_STEP_ID", "0")
-    assert job_command("slurm", 2, "x.py")[:4] == [str(fake), "--ntasks=2", "--kill-on-bad-exit=1", "--overlap"]
+    assert job_command("slurm", 2, "x.py")[:4] == [str(fake_srun), "--ntasks=2", "--kill-on-bad-exit=1", "--overlap"]
 
 
 def test_free_ports_are_below_the_range_outgoing_connections_take():
