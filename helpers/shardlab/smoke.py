@@ -193,9 +193,6 @@ def what_this_machine_proves(facts: dict) -> list[dict]:
     return rows
 
 
-LAUNCHERS = ("torchrun", "openmpi", "mpich", "slurm")
-
-
 def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
     """Run ``python -m shardlab.smoke --distributed`` on n ranks with ``launcher`` (torchrun, openmpi or
     mpich on this machine, or slurm's srun); return its JSON report, with ``command``, ``seconds`` and
