@@ -23,8 +23,10 @@ def nbmake_failures(tmp_path_factory) -> dict[str, str]:
     for name in FAILING:
         shutil.copy(FIXTURES / name, where / name)
     (where / "pytest.ini").write_text("[pytest]\n")  # keep the repository's options out of it
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=200", "-p", "no:cacheprovider",
-                           "--junitxml=report.xml", *FAILING], cwd=where, capture_output=True, text=True, timeout=600)
+    # The three side by side (-n 3): each mostly waits, for a timeout or on purpose.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "3", "--nbmake", "--nbmake-timeout=200", "-p",
+                           "no:cacheprovider", "--junitxml=report.xml", *FAILING],
+                          cwd=where, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:]
     reports = {}
     for case in ElementTree.parse(where / "report.xml").iter("testcase"):

@@ -144,8 +144,9 @@ def test_inside_an_allocation_engines_are_a_step_of_it_not_a_new_job(tmp_path, n
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", ["01_launchers", "03_scatter_and_shardtensor"])
 def test_notebooks_run_unchanged_on_slurm_engines(name, no_leftovers):
-    """What an instructor does on a Slurm cluster: the same notebooks, engines chosen by the environment."""
-    env = os.environ | {"SHARDLAB_ENGINES": "slurm", "SHARDLAB_CONTROLLER_IP": "*"}
+    """What an instructor does on a Slurm cluster: the same notebooks, engines chosen by the environment. Two ranks:
+    this proves where the engines come from; the world sizes are test_notebooks.py's."""
+    env = os.environ | {"SHARDLAB_ENGINES": "slurm", "SHARDLAB_CONTROLLER_IP": "*", "SHARDLAB_RANKS": "2"}
     before = {job for job, _ in queue()}
     run_notebook(NOTEBOOKS / f"{name}.ipynb", timeout_s=400, rehearse=False, env=env)
     assert not [job for job, job_name in queue() if job not in before and job_name.startswith("ipengine-")]

@@ -1,5 +1,5 @@
-"""The smoke CLI on real ranks, CPU: torchrun (2 and 4) and mpirun (2). MPICH's mpiexec: tests/test_mpich.py;
-Slurm's srun: tests/test_slurm.py."""
+"""The smoke CLI on real ranks, CPU: mpirun on 4 ranks, and torchrun refusing a bad domain size. MPICH's
+mpiexec: tests/test_mpich.py; Slurm's srun: tests/test_slurm.py."""
 
 import json
 import subprocess
@@ -22,8 +22,8 @@ def test_single_process_reports_versions_and_device():
 @pytest.mark.parametrize(
     "launcher, n, expected_mesh, expected_method",
     [
-        # notebooks/01_launchers.ipynb runs both launchers on 2 ranks; these run them on 4 (a 2x2 mesh)
-        ("torchrun", 4, {"ddp": 2, "domain": 2}, "env"),
+        # notebooks/01_launchers.ipynb runs torchrun and mpirun on 2 ranks (a 1x2 mesh); this is the 2x2 mesh. The same
+        # checks on 4 ranks of srun and of MPICH: test_slurm.py, test_mpich.py (torchrun at 4 ranks: test_plan.py).
         ("openmpi", 4, {"ddp": 2, "domain": 2}, "openmpi"),
     ],
 )
