@@ -9,6 +9,14 @@ STAMP  := $(VENV)/.installed
 # Extra options for `jupyter lab`, e.g. LAB_ARGS="--ip=0.0.0.0 --no-browser" in a container (container/).
 LAB_ARGS ?=
 
+# ipykernel's installer leaves an empty tmp*_kernels folder in the temp folder at every install (ipykernel 7.4:
+# install() removes the spec it wrote, not the folder it made for it), so it gets a temp folder of its own.
+# tests/test_workarounds.py says when that is no longer needed.
+define install_kernel
+	scratch=$$(mktemp -d) && TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel install $(1) --name $(KERNEL) \
+		--display-name "$(KERNEL_NAME)"; status=$$?; rm -rf "$$scratch"; exit $$status
+endef
+
 # The lock is made by uv, installed into its own throwaway venv (never into .venv).
 LOCK_VENV  ?= .venv-lock
 UV_VERSION := 0.13.9
@@ -27,7 +35,7 @@ lab: $(STAMP)
 # single-user server, or a JupyterLab not started from .venv. It runs .venv's Python (absolute path).
 kernel-user:
 	@test -x $(VENV)/bin/python || { echo "no $(VENV) yet: run make env first" >&2; exit 1; }
-	$(VENV)/bin/python -m ipykernel install --user --name $(KERNEL) --display-name "$(KERNEL_NAME)"
+	$(call install_kernel,--user)
 
 # A single-node Slurm (and MPICH) on this machine, as root: what `make test` starts for its Slurm tests by itself.
 slurm-start:
@@ -64,7 +72,7 @@ $(STAMP): container/requirements.txt helpers/pyproject.toml
 	$(VENV)/bin/python -m pip freeze --all > $(VENV)/container-constraints.txt
 	$(VENV)/bin/python -m pip install --quiet -c $(VENV)/container-constraints.txt -r container/requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
-	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_NAME)"
+	$(call install_kernel,--sys-prefix)
 	@touch $(STAMP)
 else
 # The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
@@ -73,7 +81,7 @@ $(STAMP): requirements.txt helpers/pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
-	$(VENV)/bin/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_NAME)"
+	$(call install_kernel,--sys-prefix)
 	@touch $(STAMP)
 endif
 

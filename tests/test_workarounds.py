@@ -174,3 +174,15 @@ def test_submeshes_of_different_ranks_still_share_a_cache_key_upstream():
         "upstream: submeshes of different ranks now hash apart (pytorch/pytorch#173789). Check ShardTensor's "
         "cache key too, then delete no_cross_rank_autograd_cache from shardlab/workarounds.py"
     )
+
+
+def test_ipykernel_install_still_leaves_an_empty_folder_in_the_temp_folder(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(tmp_path / "prefix"),
+                             "--name", "probe"], env=os.environ | {"TMPDIR": str(temp)}, capture_output=True,
+                            text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name.endswith("_kernels") for p in temp.iterdir()] == [True], (
+        "upstream: ipykernel install no longer leaves a tmp*_kernels folder behind: install the kernel without "
+        "the temp folder of its own (install_kernel in the Makefile)")
