@@ -55,7 +55,7 @@ def left_in_temp_folder(folder: Path) -> list[str]:
     for entry in sorted(folder.iterdir()):
         if entry.name.startswith("torchinductor_"):
             continue
-        if entry.name == f"shardlab-{procs.user_id()}-registry" and entry.is_dir():
+        if entry.name == procs.registry_name() and entry.is_dir():
             left += [f"{entry.name}/{record.name}" for record in entry.iterdir()]
             continue
         left.append(entry.name)

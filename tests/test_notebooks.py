@@ -49,7 +49,7 @@ def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
 
 def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tmp_path):
     (tmp_path / "torchinductor_someone").mkdir()  # torch.compile's cache: kept on purpose
-    registry = tmp_path / f"shardlab-{procs.user_id()}-registry"
+    registry = tmp_path / procs.registry_name()
     registry.mkdir()
     assert left_in_temp_folder(tmp_path) == []
     (tmp_path / "capstone-x1y2").mkdir()  # e.g. a checkpoint folder nobody removes

@@ -67,9 +67,14 @@ def _check_owner_only(path: Path) -> None:
                            "remove it.")
 
 
+def registry_name() -> str:
+    """The name of this user's registry folder in the temp folder."""
+    return f"shardlab-{user_id()}-registry"
+
+
 def registry() -> Path:
     """This user's registry folder (``$SHARDLAB_REGISTRY``, else one per user in the temp folder), owner-only."""
-    path = Path(os.environ.get("SHARDLAB_REGISTRY") or Path(tempfile.gettempdir()) / f"shardlab-{user_id()}-registry")
+    path = Path(os.environ.get("SHARDLAB_REGISTRY") or Path(tempfile.gettempdir()) / registry_name())
     try:
         path.mkdir(mode=0o700, parents=True)
     except FileExistsError:
