@@ -21,6 +21,18 @@ def test_saved_activations_counts_unique_tensors_and_skips_parameters():
     assert saved.tensors == 2 and saved.bytes == 2 * 4 * 8 * 4
 
 
+def test_saved_activations_excludes_what_it_is_told_to_even_after_entering():
+    lin, other = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with measure.SavedActivations() as saved:
+        saved.exclude([x])  # e.g. from a forward pre-hook, for parameters FSDP2 has just gathered
+        torch.relu(other(lin(x)))
+    # lin saves only x (x needs no gradient, so lin's weight is not needed): excluded. other saves its input and
+    # its weight (no parameter was excluded here), relu its output.
+    assert saved.counted == [((4, 8), 128), ((8, 8), 256), ((4, 8), 128)]
+    assert saved.bytes == 512 and saved.tensors == 3
+
+
 def test_saved_activations_of_conv_stack_scale_with_the_field():
     model = conv_stack(width=4, layers=2)
     sizes = {}

@@ -30,6 +30,44 @@ def test_one_process_reference_is_deterministic():
     assert a == b and a[1] < a[0]
 
 
+def test_training_step_runs_its_phases_in_order_around_the_work():
+    from shardlab.models import conv_stack
+
+    model = conv_stack(width=4, layers=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    class Phase:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            seen.append(("enter", self.name, any(p.grad is not None for p in model.parameters())))
+
+        def __exit__(self, *exc):
+            seen.append(("exit", self.name, any(p.grad is not None for p in model.parameters())))
+
+    x, y = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
+    loss = train.training_step(model, optimizer, lambda: (x, y), phase=Phase)
+    assert [(event, name) for event, name, _ in seen] == [
+        (event, name) for name in train.PHASES for event in ("enter", "exit")]
+    grads_after = {name: has for event, name, has in seen if event == "exit"}
+    assert not grads_after["loss"] and grads_after["backward"]  # backward is where the gradients appear
+    assert loss.item() == pytest.approx(((conv_stack(width=4, layers=2)(x) - y) ** 2).mean().item())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step moved every weight
+
+
+def test_fsdp_units_are_the_trainable_children_then_the_root_with_the_rest():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.GELU(), torch.nn.Linear(3, 1))
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+    frozen = torch.nn.Linear(1, 1).requires_grad_(False)
+    model.add_module("frozen", frozen)
+    units = train.fsdp_units(model)
+    assert units == [(model[0], ["weight", "bias"]), (model[2], ["weight", "bias"]),
+                     (model, ["scale", "frozen.weight", "frozen.bias"])]
+
+
 ROUND_TRIP = """
 import json, sys
 import torch.distributed as dist

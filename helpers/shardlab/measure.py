@@ -121,22 +121,30 @@ class SavedActivations:
     """Bytes autograd saves for backward inside ``with`` (unique tensors, parameters excluded).
 
     On CPU this is the activation memory a backward pass will need; on GPU compare it with
-    ``torch.cuda.max_memory_allocated``.
+    ``torch.cuda.max_memory_allocated``. ``counted`` lists (local shape, bytes) of every tensor counted, in order.
     """
 
     def __init__(self, exclude=()):
-        self._exclude = {p.data_ptr() for p in exclude}
+        self._excluded: set[int] = set()
         self._seen: set[tuple[int, tuple]] = set()
         self.bytes = 0
         self.tensors = 0
+        self.counted: list[tuple[tuple[int, ...], int]] = []
+        self.exclude(exclude)
+
+    def exclude(self, tensors) -> None:
+        """Never count these tensors (nor views sharing their first element), from now on: for example the
+        parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook)."""
+        self._excluded |= {t.data_ptr() for t in tensors}
 
     def _pack(self, t):
         local = t.to_local() if hasattr(t, "to_local") else t
         key = (local.data_ptr(), tuple(local.shape))
-        if local.data_ptr() not in self._exclude and key not in self._seen:
+        if local.data_ptr() not in self._excluded and key not in self._seen:
             self._seen.add(key)
             self.bytes += local_bytes(local)
             self.tensors += 1
+            self.counted.append((tuple(local.shape), local_bytes(local)))
         return t
 
     def __enter__(self):

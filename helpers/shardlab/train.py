@@ -5,6 +5,7 @@ Introduced in ``notebooks/05_ddp_vs_fsdp2.ipynb``; the capstone (07) builds on i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from .mesh import domain_source
 # (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
 
 WRAPPERS = ("none", "ddp", "fsdp2")
+PHASES = ("scatter", "forward", "loss", "backward", "step")  # one training step, in order: see ``training_step``
 
 
 def normalized_darcy(samples: int | None = None) -> tuple:
@@ -54,11 +56,23 @@ def wrap(model, mesh, how: str):
     if how == "ddp":
         return DistributedDataParallel(model, process_group=mesh["ddp"].get_group())
     if how == "fsdp2":
-        for layer in model.children():
-            if any(p.requires_grad for p in layer.parameters()):
-                fully_shard(layer, mesh=mesh["ddp"])
-        return fully_shard(model, mesh=mesh["ddp"])
+        for unit, _ in fsdp_units(model):  # the root comes last: fully_shard takes its remaining parameters
+            fully_shard(unit, mesh=mesh["ddp"])
     return model
+
+
+def fsdp_units(model) -> list[tuple[torch.nn.Module, list[str]]]:
+    """The modules ``wrap(..., "fsdp2")`` gives ``fully_shard``, each with the names (relative to it) of the
+    parameters it manages: every child with a trainable parameter, then the root with whatever is left.
+
+    Works on the model before and after wrapping (``fully_shard`` keeps the module tree and the names)."""
+    units, taken = [], set()
+    for name, child in model.named_children():
+        if any(p.requires_grad for p in child.parameters()):
+            units.append((child, [n for n, _ in child.named_parameters()]))
+            taken.add(name)
+    rest = [n for n, _ in model.named_parameters() if n.split(".", 1)[0] not in taken]
+    return [*units, (model, rest)]
 
 
 def average_gradients_by_hand(model, group) -> None:
@@ -68,6 +82,32 @@ def average_gradients_by_hand(model, group) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             p.grad /= size
+
+
+def training_step(model, optimizer, batch, reduce_gradients=None, phase=None):
+    """One training step, phase by phase (``PHASES``): ``batch()`` gives (input, target), sharded or not; the
+    model's forward; the mean squared error; ``zero_grad`` and backward; ``reduce_gradients()`` if given, then the
+    optimizer's step. Returns the loss.
+
+    ``phase(name)``, if given, is a context manager entered around each phase: how the planner replays this very
+    step on the meta device and how ``sl.plan.measure_rank`` instruments it on real ranks.
+    """
+    phase = phase or (lambda name: contextlib.nullcontext())
+    with phase("scatter"):
+        x, y = batch()
+    with phase("forward"):
+        out = model(x)
+    with phase("loss"):
+        loss = ((out - y) ** 2).mean()
+        del out, x, y  # what backward needs, autograd keeps
+    with phase("backward"):
+        optimizer.zero_grad()
+        loss.backward()
+    with phase("step"):
+        if reduce_gradients is not None:
+            reduce_gradients()
+        optimizer.step()
+    return loss
 
 
 class Trainer:
@@ -104,14 +144,12 @@ class Trainer:
             y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
         return x, y
 
-    def step(self) -> float:
-        x, y = self.batch(self.steps_done)
-        loss = ((self.model(x) - y) ** 2).mean()
-        self.optimizer.zero_grad()
-        loss.backward()
+    def step(self, phase=None) -> float:
+        """One training step (``training_step``); ``phase`` as there, e.g. to measure each phase."""
+        reduce = None
         if self.how == "none" and self.ddp_size > 1:
-            average_gradients_by_hand(self.model, self.mesh["ddp"].get_group())
-        self.optimizer.step()
+            reduce = lambda: average_gradients_by_hand(self.model, self.mesh["ddp"].get_group())  # noqa: E731
+        loss = training_step(self.model, self.optimizer, lambda: self.batch(self.steps_done), reduce, phase)
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         value = value.detach().reshape(1).clone()
         dist.all_reduce(value, group=self.mesh["ddp"].get_group())
@@ -120,7 +158,9 @@ class Trainer:
         return self.losses[-1]
 
     def full_state(self) -> dict:
-        """Model and optimizer state gathered in full (FSDP2 shards included) on every rank, plus the step."""
+        """Model and optimizer state gathered in full (FSDP2 shards included), plus the step. A collective: every
+        rank calls it, but with ``cpu_offload=True`` the full state dicts reach rank 0 only; the other ranks get
+        ``{}`` for the model and the optimizer (``save_checkpoint`` writes rank 0's)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {"model": get_model_state_dict(self.model, options=options),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),

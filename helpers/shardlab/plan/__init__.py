@@ -1,0 +1,67 @@
+"""Memory planner: every rank's bytes for a model, a field and a ``(ddp, domain)`` layout, before renting the GPUs.
+
+Introduced in ``notebooks/09_memory_planner.ipynb``; ``python -m shardlab.plan --help`` is the command line.
+
+How it predicts, per rank: the model is copied to the **meta device** (shapes and dtypes, no data) and
+``sl.train.training_step``, the step ``Trainer.step`` takes, is replayed on the *local* shape that rank would hold,
+so a 8192² or 512³ field is planned in well under a second without allocating it. Nothing is a per-layer formula;
+autograd says what it keeps:
+
+- **parameters, gradients, optimizer state**: the local shard of each parameter (all of it with DDP or no
+  wrapper; with FSDP2, the ``torch.chunk`` of dim 0 over the ddp ranks that ``fully_shard`` keeps), and the
+  optimizer's own state after a real ``step()`` on meta tensors of those shapes;
+- **activations**: every tensor autograd saves for backward (``saved_tensors_hooks``, parameters excluded,
+  as ``sl.measure.SavedActivations`` counts them on real ranks). Under domain parallelism each rank holds its
+  ``torch.chunk`` of the sharded dim (uneven shards included), and every convolution first pads its input with
+  the halo rows of its neighbours, or with its own zero padding at the edges of the domain, then convolves with no
+  padding along that dim: what PhysicsNeMo's ShardTensor convolution does (``compute_halo_configs_from_conv_args``
+  and ``compute_haloed_and_padded_input_shape`` in ``physicsnemo/domain_parallel/shard_utils/conv_patches.py``).
+  **halos** is the part of those saved bytes that are rows beyond the rank's own;
+- **transient**: ``scatter_tensor`` broadcasts the whole tensor to every rank of the domain group before each keeps
+  its slice, so the full field visits every rank. When the slice is a view (one sample, one channel, split along
+  H), the full buffer even stays allocated as long as the sharded input lives;
+- **buffers** (named for the wrapper, ``BUFFERS``): DDP's gradient buckets (a second copy of every gradient,
+  ``gradient_as_bucket_view=False``), or FSDP2's all-gathered parameters: two neighbouring ``fully_shard`` units at
+  once, because FSDP2 prefetches the next unit's all-gather in backward by default (each shard padded to the size of
+  the first);
+- **temporaries**: the rest of a training step's high-water mark (gradients flowing through backward, the loss,
+  the optimizer's foreach scratch), found by the replay while tracking live storages as the CUDA caching allocator
+  counts them (512-byte blocks).
+
+``total`` = the sum of the categories, at least the replayed peak: what each GPU must hold. What it cannot know
+is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as headroom.
+
+Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``planner`` (the
+plan and its verdict), ``live`` (measured on ranks, compared), ``cli`` (``python -m shardlab.plan``).
+"""
+
+from .cli import main
+from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, MiB, conv_model, fmt_bytes, parse_field, parse_size
+from .live import (
+    compare,
+    comparison_table,
+    gpu_check,
+    measure_cases,
+    measure_on_ranks,
+    measure_rank,
+    predict_case,
+    series_cases,
+)
+from .planner import (
+    ACCOUNTED,
+    BUFFERS,
+    CATEGORIES,
+    LEFT_OUT,
+    Plan,
+    Planner,
+    RankBytes,
+    Verdict,
+    plan,
+    verdict,
+)
+from .trace import conv_halo
+
+__all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "OPTIMIZERS", "GiB", "MiB", "Plan",
+           "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model", "fmt_bytes",
+           "gpu_check", "main", "measure_cases", "measure_on_ranks", "measure_rank", "parse_field", "parse_size",
+           "plan", "predict_case", "series_cases", "verdict"]

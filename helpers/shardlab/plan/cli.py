@@ -1,0 +1,125 @@
+"""``python -m shardlab.plan``: one layout planned and judged from a terminal, or the series' cases measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ..launch import detect_launch, shutdown_distributed
+from ..report import Table
+from ..train import WRAPPERS
+from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
+from .live import comparison_table, measure_cases, measure_on_ranks, series_cases
+from .planner import LEFT_OUT, Plan, Planner, Verdict, verdict
+
+
+def _print_plan(planner: Planner, result: Plan, capacity: int | None) -> Verdict | None:
+    print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
+          f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
+          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}")
+    print(result.table())
+    for note in result.notes:
+        print(f"# {note}")
+    big = result.largest()
+    print(f"# largest rank: {big.rank}, {fmt_bytes(big.total)} (replayed step peak {fmt_bytes(big.peak)}); "
+          f"planned in {result.seconds:.2f} s on the meta device")
+    print("# left out (headroom the verdict keeps):")
+    for item in LEFT_OUT:
+        size = (f"{item['fraction']:.0%} of the need" if "fraction" in item
+                else fmt_bytes(item["bytes"]) if item.get("bytes") else "in the 10 %")
+        print(f"#   {item['what']}: {size}; typically {item['typical']} [{item['source']}]")
+    if capacity is None:
+        return None
+    v = verdict(planner, result, capacity)
+    print(f"verdict on {capacity / GiB:.1f} GiB GPUs: {v.text} (need {fmt_bytes(v.need)} + headroom "
+          f"{fmt_bytes(v.headroom)})")
+    return v
+
+
+def _writable(path: str) -> str:
+    """``--json``'s path, refused before any work if it cannot be written."""
+    target = Path(path)
+    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK) or (
+            target.exists() and not os.access(target, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: give a file in a folder that exists and that you "
+                                         "can write to")
+    return path
+
+
+def main(argv=None) -> int:
+    """Predict every rank's memory for a field, a model and a (ddp, domain) layout; with --measure, measure the
+    series' own cases on real ranks and compare."""
+    parser = argparse.ArgumentParser(prog="python -m shardlab.plan", description=main.__doc__)
+    parser.add_argument("--field", default="4096x4096", help="spatial size, e.g. 4096x4096 or 512x512x512")
+    parser.add_argument("--domain", type=int, default=1, help="ranks that shard one sample (domain axis)")
+    parser.add_argument("--ddp", type=int, default=1, help="replicas on the ddp axis")
+    parser.add_argument("--wrapper", choices=WRAPPERS, default="ddp")
+    parser.add_argument("--gpu", help="memory per GPU with its unit: 80GiB, 40GB (10^9 bytes), or a name: "
+                        + ", ".join(GPUS))
+    parser.add_argument("--model", choices=["conv_stack"], default="conv_stack",
+                        help="conv_stack: the series' surrogate (Conv3d for a 3-D field)")
+    parser.add_argument("--channels", type=int, default=16, help="hidden channels (conv_stack width)")
+    parser.add_argument("--depth", type=int, default=3, help="convolution layers")
+    parser.add_argument("--kernel-size", type=int, default=3, help="an odd kernel size: 3, 5, 7, ...")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    parser.add_argument("--json", type=_writable, help="write the per-rank rows and the verdict to this file")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
+    parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
+    parser.add_argument("--ranks", type=int, default=4, help="with --measure: ranks to start")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    if args.measure:
+        return _measure_main(args)
+
+    try:
+        field_shape = parse_field(args.field)
+        capacity = parse_size(args.gpu) if args.gpu else None
+    except ValueError as error:
+        parser.error(str(error))
+    if args.kernel_size < 1 or args.kernel_size % 2 == 0:
+        parser.error(f"--kernel-size {args.kernel_size}: odd kernels only (3, 5, 7, ...): a sharded convolution "
+                     "needs the same number of halo rows from each neighbour")
+    try:
+        model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
+        planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
+                          name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})")
+        result = planner.plan(args.ddp, args.domain, args.wrapper)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    v = _print_plan(planner, result, capacity)
+    if args.json:
+        out = result.as_json(capacity) | {"verdict": asdict(v) if v else None}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _print_comparison(measurement: dict) -> None:
+    rows = comparison_table(measurement)
+    print(f"# planner vs measured, {measurement['world_size']} rank(s), backend {measurement['backend']}, "
+          f"device {measurement['device']}")
+    print(Table([r | {"error": f"{r['error']:+.2%}"} | ({"peak error": f"{r['peak error']:+.2%}"}
+                                                        if "peak error" in r else {}) for r in rows]))
+
+
+def _measure_main(args) -> int:
+    cases = json.loads(Path(args.cases).read_text()) if args.cases else None
+    if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
+        measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800)
+        _print_comparison(measurement)
+        if args.json:
+            Path(args.json).write_text(json.dumps(measurement, indent=1))
+        return 0
+    import torch.distributed as dist
+
+    measurement = measure_cases(cases or series_cases(int(os.environ.get("WORLD_SIZE", "1"))), args.timeout)
+    if dist.get_rank() == 0 and args.json:
+        Path(args.json).write_text(json.dumps(measurement, indent=1))
+    shutdown_distributed()
+    return 0

@@ -1,0 +1,76 @@
+"""What a plan is asked about: fields, memory sizes, GPUs, dtypes, optimizers and the series' model, parsed from
+text with a message that says what to write instead."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..models import conv_stack
+
+GiB, MiB = 1024**3, 1024**2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, foreach=True),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+}
+# Memory as sold (the datasheet's GB, read as GiB); the driver reports a little less, and the CUDA context takes
+# its share: both are in the headroom below.
+GPUS = {
+    "RTX 4090 (24 GB)": 24 * GiB,
+    "L40S (48 GB)": 48 * GiB,
+    "A100 (40 GB)": 40 * GiB,
+    "A100 (80 GB)": 80 * GiB,
+    "H100 (80 GB)": 80 * GiB,
+    "H200 (141 GB)": 141 * GiB,
+}
+
+
+def parse_field(text: str, channels: int = 1, batch: int = 1) -> tuple[int, ...]:
+    """``"4096x4096"`` → ``(batch, channels, 4096, 4096)``; ``"512x512x512"`` → a 3-D field."""
+    try:
+        spatial = tuple(int(s) for s in re.split(r"[x×*,]", text.strip().lower()) if s)
+    except ValueError:
+        spatial = ()
+    if len(spatial) not in (1, 2, 3) or min(spatial) < 1:
+        raise ValueError(f"field {text!r}: give 1 to 3 positive sizes separated by 'x', e.g. 4096x4096 or 512x512x512.")
+    return (batch, channels, *spatial)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": MiB, "g": GiB, "gb": 1e9,
+          "gib": GiB, "t": 1024 * GiB, "tb": 1e12, "tib": 1024 * GiB}
+
+
+def parse_size(text: str | float | int) -> int:
+    """``"80GiB"``, ``"80GB"`` (10⁹ bytes), ``"141G"`` (GiB), a number of bytes, or a name from ``GPUS`` → bytes."""
+    if isinstance(text, int | float):
+        return int(text)
+    for name, capacity in GPUS.items():
+        if text.strip().lower() in (name.lower(), name.split(" (")[0].lower()):
+            return capacity
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"GPU memory {text!r}: write it like 80GiB, 40GB or 24G, or name one of {list(GPUS)}.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the unit that reads best: ``1.50 GiB``, ``12.3 MiB``, ``640 B``."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if abs(n) < 100 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int = 3, device="meta"):
+    """The series' surrogate, ``sl.models.conv_stack``, for a 2-D field; the same stack of Conv3d for a 3-D one.
+
+    Built on the meta device by default: a planner never needs the weights' values.
+    """
+    if depth < 1 or width < 1:
+        raise ValueError(f"width={width}, depth={depth}: both must be at least 1.")
+    with torch.device(device):
+        return conv_stack(width=width, layers=depth, kernel_size=kernel_size, dims=dims)

@@ -1,0 +1,252 @@
+"""Measured on real ranks: the planner's categories counted live during one ``Trainer.step`` (CPU: exact bytes;
+GPU: also the allocator's peak), and the series' own cases predicted against measured."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import subprocess
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..launch import clean_environment, init_distributed, torchrun_command
+from ..mesh import build_mesh, shard_bounds
+from ..models import conv_stack
+from .inputs import fmt_bytes
+from .planner import ACCOUNTED, Plan, RankBytes, plan
+from .trace import nbytes
+
+# PhysicsNeMo and the measure layer are imported inside the functions that measure on ranks: planning runs in the
+# notebook kernel and on a laptop, where their imports (seconds) buy nothing.
+
+
+class _CollectiveSizes(TorchDispatchMode):
+    """Per phase, the bytes of the tensors handed to broadcasts and bucket all-reduces."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "setup"
+        self.largest_broadcast = self.allreduce_total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        if func.namespace == "c10d" and tensors:
+            if name == "broadcast_" and self.phase == "scatter":
+                self.largest_broadcast = max(self.largest_broadcast, max(nbytes(t) for t in tensors))
+            elif name == "allreduce_" and self.phase == "backward":
+                self.allreduce_total += sum(nbytes(t) for t in tensors)
+        return out
+
+
+class _GatheredParameters(TorchDispatchMode):
+    """FSDP2's all-gathered parameters alive at once, at their most (``most``), checked after every op.
+
+    Three kinds of buffer hold them, each seen without private attributes: every all-gather's flat output (the
+    ``c10d`` all-gather's output argument), the per-parameter copies ``split_with_sizes_copy`` makes of it, and the
+    unsharded parameters the units hold in place of their sharded DTensors (with one ddp rank FSDP2 copies the shard
+    straight into them). FSDP2 resizes a storage to 0 when it reshards, so only live bytes count."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units, self.most = units, 0
+        self._storages: dict[int, weakref.ref] = {}
+
+    def _hold(self, tensors) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._storages.setdefault(storage._cdata, weakref.ref(storage))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "c10d" and name.startswith(("_allgather_base", "allgather_into_tensor")):
+            self._hold(tree_flatten(args[0])[0])
+        elif name == "split_with_sizes_copy":
+            self._hold(tree_flatten((kwargs or {}).get("out", []))[0])
+        self._hold(p for unit, names in self.units for p in map(unit.get_parameter, names)
+                   if not hasattr(p, "to_local"))
+        alive = [ref() for ref in self._storages.values()]
+        self.most = max(self.most, sum(s.nbytes() for s in alive if s is not None))
+        return out
+
+
+def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2) -> RankBytes:
+    """On every rank together: one training step of ``sl.train.Trainer`` (after a warm-up step, so that gradients
+    and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's bytes.
+
+    The measured step is ``Trainer.step`` itself, instrumented through its phase hooks: the scatter (largest tensor a
+    broadcast handles), the forward (``SavedActivations``, also excluding the parameters FSDP2 gathers for each
+    layer), the backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
+    On a GPU, ``peak`` is ``max_memory_allocated`` over the measured step (``DevicePeak``).
+    """
+    import torch.distributed as dist
+
+    from ..measure import DevicePeak, SavedActivations, state_bytes
+    from ..train import Trainer, fsdp_units
+
+    trainer = Trainer(model, mesh, wrapper, samples=samples)
+    trainer.step()
+    saved = SavedActivations(exclude=trainer.model.parameters())
+    hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
+             for m in trainer.model.modules()]
+    sizes = _CollectiveSizes()
+    gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
+
+    @contextlib.contextmanager
+    def phase(name):
+        sizes.phase = name
+        with saved if name == "forward" else contextlib.nullcontext():
+            yield
+
+    with DevicePeak(trainer.device) as peak, sizes, gathered:
+        trainer.step(phase)
+    for h in hooks:
+        h.remove()
+    domain = mesh["domain"].size()
+    _, start, stop = shard_bounds(trainer.inputs.shape[shard_dim], domain)[mesh.get_coordinate()[1]]
+    own = stop - start if domain > 1 else 0
+    halos = sum(size * (shape[shard_dim] - own) / shape[shard_dim] for shape, size in saved.counted
+                if len(shape) > shard_dim and shape[shard_dim] > own > 0)
+    state = state_bytes(trainer.model, trainer.optimizer)
+    buffers = {"ddp": sizes.allreduce_total, "fsdp2": gathered.most}.get(wrapper, 0)
+    return RankBytes(dist.get_rank(), state["parameters"], state["gradients"], state["optimizer state"], saved.bytes,
+                     round(halos), sizes.largest_broadcast if domain > 1 else 0, buffers,
+                     peak=peak.peak_allocated if peak.measured else None, rows=own or None)
+
+
+def compare(predicted: Plan, measured: list[RankBytes]) -> list[dict]:
+    """Per rank, predicted against measured: the CPU byte accounting and, where measured, the GPU allocator's peak."""
+    rows = []
+    for m in measured:
+        p = predicted.rows[m.rank]
+        row = {"rank": m.rank, "predicted": p.accounted, "measured": m.accounted,
+               "error": (p.accounted - m.accounted) / m.accounted}
+        off = [f"{c} {getattr(p, c) - getattr(m, c):+d}" for c in (*ACCOUNTED, "halos")
+               if getattr(p, c) != getattr(m, c)]
+        row["categories off"] = ", ".join(off) or "-"
+        if m.peak is not None:
+            row |= {"predicted peak": p.peak, "cuda peak": m.peak, "peak error": (p.peak - m.peak) / m.peak}
+        rows.append(row)
+    return rows
+
+
+# The series' own models and fields, measured on 4 ranks by ``python -m shardlab.plan --measure``.
+SERIES_MODELS = {
+    "04": {"width": 16, "layers": 3},  # notebook 04: conv_stack(width=16, layers=3)
+    "05": {"seed": 0},  # notebook 05: conv_stack(seed=0)
+    "07": {"seed": 0},  # notebook 07: conv_stack(seed=0)
+}
+
+
+def series_cases(world: int = 4) -> list[dict]:
+    """The cases the planner is checked against: notebooks 04, 05 and 07's model, N = 1, 2, 4 on the domain axis
+    (ddp = world // N), DDP and FSDP2, on the 64×64 Darcy field; plus an uneven field without a wrapper."""
+    cases = []
+    for notebook, kwargs in SERIES_MODELS.items():
+        for n in (1, 2, 4):
+            if world % n:
+                continue
+            for wrapper in ("ddp", "fsdp2"):
+                cases.append({"name": f"nb{notebook} N={n} {wrapper}", "model": kwargs, "domain": n,
+                              "ddp": world // n, "wrapper": wrapper, "field": None})
+    if world % 4 == 0:
+        cases.append({"name": "uneven 66x64 N=4 none", "model": {"width": 8, "layers": 3}, "domain": 4,
+                      "ddp": world // 4, "wrapper": "none", "field": [1, 1, 66, 64]})
+    return cases
+
+
+def conv_stack_kwargs(kwargs: dict) -> dict:
+    """``conv_stack``'s keyword arguments with its defaults filled in (so equal models compare equal)."""
+    return {"width": 16, "layers": 3, "kernel_size": 3, "seed": 0} | kwargs
+
+
+def _case_samples(case: dict, steps: int = 2):
+    """Inputs and targets for a case: the series' Darcy fields, or random ones of the case's shape (CPU tensors,
+    moved to the rank's device by the Trainer)."""
+    if case.get("field") is None:
+        return None
+    shape = case["field"]
+    generator = torch.Generator().manual_seed(0)
+    n = steps * case["ddp"]
+    return (torch.randn((n, *shape[1:]), generator=generator), torch.randn((n, 1, *shape[2:]), generator=generator))
+
+
+def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
+    """On every rank of a launched job: each case measured once (cases with equal models share a run)."""
+    import torch.distributed as dist
+
+    state = init_distributed(timeout_s)
+    results, done = [], {}
+    for case in cases:
+        key = json.dumps([conv_stack_kwargs(case["model"]), case["domain"], case["wrapper"], case["field"]])
+        if key not in done:
+            mesh = build_mesh(ddp=case["ddp"], domain=case["domain"])
+            model = conv_stack(**conv_stack_kwargs(case["model"])).to(state.device)
+            mine = measure_rank(model, mesh, case["wrapper"], samples=_case_samples(case)).as_dict()
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            done[key] = everyone
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        results.append(case | {"ranks": done[key]})
+    return {"world_size": state.world_size, "backend": state.backend, "device": state.device, "cases": results}
+
+
+def predict_case(case: dict) -> Plan:
+    """The planner's prediction for one of ``series_cases`` (or any case of that form)."""
+    from .inputs import conv_model
+
+    field_shape = case["field"] or [1, 1, 64, 64]  # the Darcy fields of data/
+    kwargs = conv_stack_kwargs(case["model"])
+    model = conv_model(2, width=kwargs["width"], depth=kwargs["layers"], kernel_size=kwargs["kernel_size"])
+    return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"])
+
+
+def comparison_table(measurement: dict) -> list[dict]:
+    """Every case and rank of a ``measure_cases`` result against the planner: one row per rank."""
+    rows = []
+    for case in measurement["cases"]:
+        measured = [RankBytes.from_dict(r) for r in case["ranks"]]
+        rows += [{"case": case["name"]} | row for row in compare(predict_case(case), measured)]
+    return rows
+
+
+def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0) -> dict:
+    """Start ``n`` ranks (torchrun) that measure ``cases`` (default: ``series_cases(n)``); their measurement."""
+    with tempfile.TemporaryDirectory(prefix="shardlab-plan-") as tmp:
+        out, spec = Path(tmp) / "measured.json", Path(tmp) / "cases.json"
+        spec.write_text(json.dumps(cases or series_cases(n)))
+        cmd = torchrun_command(n, "-m", "shardlab.plan", "--measure", "--cases", str(spec), "--json", str(out))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env=clean_environment(OMP_NUM_THREADS="1"))
+        if proc.returncode:
+            raise RuntimeError(f"the {n} measuring ranks failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
+def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
+    """For ``make gpu-check``: the planner's predicted peak per rank against ``max_memory_allocated`` on real GPUs,
+    within 10 %, on a ``field_size``² field (DDP and FSDP2; N = 1, and N = number of GPUs when it is 2 or more)."""
+    cases = []
+    for n in sorted({1, gpus}):
+        for wrapper in ("ddp", "fsdp2"):
+            cases.append({"name": f"{field_size}^2 N={n} {wrapper}", "model": {"width": 16, "layers": 3},
+                          "domain": n, "ddp": gpus // n, "wrapper": wrapper, "field": [1, 1, field_size, field_size]})
+    measurement = measure_on_ranks(gpus, cases, timeout_s)
+    rows = comparison_table(measurement)
+    if not all("peak error" in r for r in rows):
+        return f"no CUDA peak was measured (device {measurement['device']})", False
+    worst = max(rows, key=lambda r: abs(r["peak error"]))
+    cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
+             f"{fmt_bytes(r['cuda peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
+    ok = all(abs(r["peak error"]) <= 0.10 for r in rows)
+    return "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok

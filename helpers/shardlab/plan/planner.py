@@ -1,0 +1,370 @@
+"""The planner: every rank's bytes for one model and field over any ``(ddp, domain)`` layout, and the verdict."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from ..mesh import check_batch_per_domain_group
+from ..report import Table
+from ..train import WRAPPERS, fsdp_units
+from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
+from .trace import FFTDims, Trace, blocks, conv_halo, fsdp_shards, local_slices, nbytes, optimizer_state, trace_rank
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
+ACCOUNTED = ("params", "grads", "optimizer", "activations", "transient", "buffers")  # what CPU ranks measure exactly
+# What "buffers" holds, per wrapper. FSDP2 keeps two units' all-gathers at once: it prefetches the next unit's in
+# backward by default, and in forward keeps the previous unit's flat output until the next copy-out.
+BUFFERS = {"none": "buffers", "ddp": "DDP buckets", "fsdp2": "FSDP2 gathered, 2 units"}
+
+# What the planner cannot see on the meta device, with what it typically adds on a GPU and where that comes from.
+# ``bytes`` / ``fraction`` is the headroom the verdict keeps for it.
+LEFT_OUT = (
+    {"what": "CUDA context (driver state, loaded kernels, cuDNN/cuBLAS handles)", "bytes": GiB // 2,
+     "typical": "0.3-0.8 GiB per process, outside torch.cuda.memory_allocated",
+     "source": "https://github.com/pytorch/pytorch/issues/34323 (nvidia-smi showed 781 MB for a process holding "
+               "almost no tensors); lazy module loading (CUDA_MODULE_LOADING=LAZY) keeps it nearer the low end"},
+    {"what": "NCCL communicator buffers (one communicator per process group: the world, ddp, domain)",
+     "bytes": GiB // 2, "multi_rank_only": True,
+     "typical": "NCCL_BUFFSIZE = 4 MiB per channel and peer by default: tens to hundreds of MiB per communicator",
+     "source": "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize; invisible to "
+               "PyTorch's allocator: https://docs.pytorch.org/docs/stable/torch_cuda_memory.html"},
+    {"what": "allocator fragmentation and caching (memory_reserved - memory_allocated)", "fraction": 0.10,
+     "typical": "about 10 % of the allocated peak: torch's own FSDPMemTracker is tested to +-10 % of the "
+                "allocator's peak; large blocks round up to 2 MiB and blocks in different segments never merge",
+     "source": "https://github.com/pytorch/pytorch/blob/main/test/distributed/_tools/test_fsdp2_mem_tracker.py; "
+               "https://github.com/pytorch/devlogs/blob/main/content/eager/2026-06-01-cuda-caching-allocator.md"},
+    {"what": "cuDNN convolution and cuBLAS workspaces", "bytes": 0,
+     "typical": "cuBLAS(Lt): 32 MiB per handle on Hopper, 4 MiB before; cuDNN: algorithm-dependent scratch inside "
+                "the allocator's peak (covered by the 10 % above; `make gpu-check` measures it)",
+     "source": "https://github.com/pytorch/pytorch/pull/120925"},
+)
+
+
+@dataclass
+class RankBytes:
+    """One rank's bytes by category: predicted by the planner, or measured on the rank (``measure_rank``)."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    halos: int  # the part of the activations that are rows beyond the rank's own
+    transient: int
+    buffers: int
+    temporaries: int = 0  # predicted: the rest of the step's peak
+    peak: int | None = None  # predicted: the replayed step's peak; measured: the CUDA allocator's (None on CPU)
+    rows: int | None = None  # rows of the sharded dim this rank holds
+
+    @property
+    def accounted(self) -> int:
+        return sum(getattr(self, c) for c in ACCOUNTED)
+
+    @property
+    def total(self) -> int:
+        return self.accounted + self.temporaries
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"accounted": self.accounted, "total": self.total}
+
+    @classmethod
+    def from_dict(cls, row: dict) -> RankBytes:
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+
+@dataclass
+class Plan:
+    """Predicted bytes per rank for one layout; ``rows[r]`` is rank r (``rank = ddp index × domain + domain index``,
+    the order of ``initialize_mesh((ddp, domain), ...)``)."""
+
+    rows: list[RankBytes]
+    field_shape: tuple
+    dtype: str
+    ddp: int
+    domain: int
+    wrapper: str
+    optimizer: str
+    model: str = "model"
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.ddp * self.domain
+
+    def largest(self) -> RankBytes:
+        """The rank that needs the most: the one that decides whether the layout fits."""
+        return max(self.rows, key=lambda r: (r.total, -r.rank))
+
+    def headroom(self, need: int | None = None) -> int:
+        """Bytes kept free for what the planner cannot see (``LEFT_OUT``), for this layout."""
+        need = self.largest().total if need is None else need
+        extra = 0
+        for item in LEFT_OUT:
+            if item.get("multi_rank_only") and self.world_size == 1:
+                continue
+            extra += item.get("bytes", 0) + item.get("fraction", 0.0) * need
+        return int(extra)
+
+    def groups(self) -> list[tuple[str, RankBytes]]:
+        """Ranks with the same bytes merged: (label such as "ranks 0-7", one of their rows), in rank order."""
+        keys = (*CATEGORIES, "halos")
+        out: list[tuple[list[int], RankBytes]] = []
+        for row in self.rows:
+            if out and all(getattr(out[-1][1], k) == getattr(row, k) for k in keys):
+                out[-1][0].append(row.rank)
+            else:
+                out.append(([row.rank], row))
+        return [(f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}", row) for r, row in out]
+
+    def bars(self) -> dict[str, dict[str, int]]:
+        """Stacked categories per group of equal ranks, for ``sl.plot.memory_bars`` (own rows and halos apart)."""
+        return {label: {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
+                        "activations": r.activations - r.halos, "halos": r.halos, "transient": r.transient,
+                        BUFFERS[self.wrapper]: r.buffers, "temporaries": r.temporaries}
+                for label, r in self.groups()}
+
+    def table(self) -> Table:
+        """Per group of equal ranks, in readable units."""
+        columns = [*CATEGORIES[:4], "halos", *CATEGORIES[4:], "total"]
+        names = [BUFFERS[self.wrapper] if c == "buffers" else c for c in columns]
+        return Table([{"ranks": label.removeprefix("ranks ").removeprefix("rank ")}
+                      | {name: fmt_bytes(getattr(row, c)) for name, c in zip(names, columns)}
+                      for label, row in self.groups()], ["ranks", *names])
+
+    def as_json(self, capacity: int | None = None) -> dict:
+        out = {"model": self.model, "field": list(self.field_shape), "dtype": self.dtype,
+               "mesh": {"ddp": self.ddp, "domain": self.domain}, "wrapper": self.wrapper, "optimizer": self.optimizer,
+               "rows": [r.as_dict() for r in self.rows], "left_out": [dict(item) for item in LEFT_OUT],
+               "notes": list(self.notes)}
+        if capacity is not None:
+            out["gpu_bytes"] = capacity
+        return out
+
+
+@dataclass
+class _State:
+    """One ddp index's parameters, gradients, optimizer state and wrapper buffers."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    device_bytes: int  # the same, as the GPU allocator holds them (FSDP2's padded shards, 512-byte blocks)
+    scratch: int  # the optimizer step's own temporaries
+
+
+class Planner:
+    """Plans for one model, field, dtype and optimizer, over any layouts; traces are cached per distinct rank shape."""
+
+    def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
+                 name: str | None = None):
+        if isinstance(dtype, str):
+            dtype = DTYPES[dtype]
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}: choose one of {list(OPTIMIZERS)}.")
+        self.field_shape = tuple(int(s) for s in field_shape)
+        if not 2 <= shard_dim < len(self.field_shape):
+            raise ValueError(f"shard_dim={shard_dim}: shard a spatial dim of the field {self.field_shape} (2 or more).")
+        self.dtype, self.optimizer, self.dim = dtype, optimizer, shard_dim
+        self.name = name or type(model).__name__
+        if any(p.device.type != "meta" for p in model.parameters()):
+            model = copy.deepcopy(model).to("meta")
+        self.model = model.to(dtype)
+        self.params = list(self.model.parameters())
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.units = [[unit.get_parameter(n) for n in names] for unit, names in fsdp_units(self.model)]
+        self.halo = max([conv_halo(m.kernel_size[min(self.dim - 2, len(m.kernel_size) - 1)], 1)
+                         for m in self.model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)] or [0])
+        field_dims = len(self.field_shape) - 2
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.modules.conv._ConvNd) and len(m.kernel_size) != field_dims:
+                raise ValueError(f"a {field_dims}-D field {self.field_shape} given to a model with "
+                                 f"{type(m).__name__} layers: give a {len(m.kernel_size)}-D field, or a model "
+                                 f"built for {field_dims}-D fields (conv_model({field_dims}, ...)).")
+        self.ffts = FFTDims()
+        try:
+            with torch.no_grad(), self.ffts:
+                probe = self.model(torch.empty(self.field_shape, dtype=dtype, device="meta"))
+        except RuntimeError as error:
+            raise ValueError(f"the model cannot run on a field of shape {self.field_shape}: "
+                             f"{str(error).splitlines()[0]}") from None
+        if tuple(probe.shape[2:]) != self.field_shape[2:]:
+            raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles "
+                             "field-to-field models that keep the spatial size.")
+        self.out_channels = probe.shape[1]
+        self._traces: dict[tuple, Trace] = {}
+        self._states: dict[tuple, _State] = {}
+
+    def _trace(self, domain: int, position: int, rows: int) -> Trace:
+        key = (domain > 1, position == 0, position == domain - 1, rows)  # all a rank's slice depends on
+        if key not in self._traces:
+            self._traces[key] = trace_rank(self.model, self.field_shape, self.out_channels, self.dtype, self.dim,
+                                           domain, position)
+        return self._traces[key]
+
+    def _gathered(self, ddp: int, elsize: int) -> int:
+        """FSDP2's all-gathered parameters at their most: the root's own (never resharded between forward and
+        backward), plus, with more than one ddp rank, a unit twice (its flat all-gather output and the unsharded
+        copies made of it) and the unit before it, whose flat output FSDP2 keeps until this copy-out so that the two
+        overlap (in backward it prefetches the next unit's all-gather instead: fewer bytes). Padded shards, gathered
+        whole. With one ddp rank there is no all-gather: each unit's shard is copied into its unsharded buffers."""
+        *children, root = [sum(fsdp_shards(p.shape, ddp)[1] * ddp for p in unit) * elsize for unit in self.units]
+        if ddp == 1:
+            return root + max(children, default=0)
+        return root + max((before + 2 * size for before, size in zip([0, *children], children)), default=0)
+
+    def _state(self, wrapper: str, ddp: int, index: int) -> _State:
+        key = (wrapper, ddp if wrapper == "fsdp2" else 1, index if wrapper == "fsdp2" else 0)
+        if key in self._states:
+            return self._states[key]
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        if wrapper == "fsdp2":
+            shards = {id(p): fsdp_shards(p.shape, ddp) for p in self.params}
+            local = {id(p): shards[id(p)][0][index] for p in self.params}
+            params = sum(local[id(p)].numel() for p in self.params) * elsize
+            grads = sum(local[id(p)].numel() for p in self.trainable) * elsize
+            device = sum(blocks(shards[id(p)][1] * elsize) for p in [*self.params, *self.trainable])
+            buffers = self._gathered(ddp, elsize)
+            tensors = [torch.empty(local[id(p)], dtype=p.dtype, device="meta") for p in self.trainable]
+        else:
+            params = sum(nbytes(p) for p in self.params)
+            grads = sum(nbytes(p) for p in self.trainable)
+            device = sum(blocks(nbytes(p)) for p in [*self.params, *self.trainable])
+            buffers = grads if wrapper == "ddp" else 0
+            tensors = [torch.empty_like(p) for p in self.trainable]
+        opt_bytes, opt_device, scratch = optimizer_state(self.optimizer, tensors)
+        self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device + blocks(buffers), scratch)
+        return self._states[key]
+
+    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> Plan:
+        """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis."""
+        t0 = time.perf_counter()
+        if wrapper not in WRAPPERS:
+            raise ValueError(f"wrapper={wrapper!r}: choose one of {WRAPPERS} (FSDP1 and distribute_module are not "
+                             "options).")
+        if ddp < 1 or domain < 1:
+            raise ValueError(f"ddp={ddp}, domain={domain}: both axis sizes must be at least 1.")
+        if domain > 1:
+            check_batch_per_domain_group(self.field_shape[0], domain)
+            if self.dim in self.ffts.dims:
+                raise ValueError(f"the model takes an FFT ({self.ffts.dims[self.dim]}) along dim {self.dim}, the "
+                                 "sharded dim: every output row depends on every input row, so no halo makes it "
+                                 "local and the planner cannot say what each rank would hold. Shard a dim the FFT "
+                                 "does not transform (shard_dim), or plan domain=1.")
+        extent = self.field_shape[self.dim]
+        slices = local_slices(extent, domain)
+        if domain > 1 and not self.valid_domain(domain):
+            worst = slices.index(min(slices))
+            valid = self.valid_domains()
+            near = sorted(valid, key=lambda n: abs(n - domain))[:2]
+            raise ValueError(f"domain={domain} over {extent} rows: torch.chunk cuts {slices[0]}-row slices and rank "
+                             f"{worst} of the domain would hold {slices[worst]} row(s), fewer than the "
+                             f"{max(1, self.halo)} halo row(s) a convolution needs from each neighbour. Domain sizes "
+                             f"near it that work: {sorted(near)}; at most {valid[-1]}.")
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        full = max(math.prod(self.field_shape), math.prod((self.field_shape[0], self.out_channels,
+                                                           *self.field_shape[2:]))) * elsize
+        transient = full if domain > 1 else 0  # the larger of input and target, broadcast whole by scatter_tensor
+        rows = []
+        for rank in range(ddp * domain):
+            index, position = divmod(rank, domain)
+            state, trace = self._state(wrapper, ddp, index), self._trace(domain, position, slices[position])
+            row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
+                            transient, state.buffers, rows=slices[position])
+            row.peak = state.device_bytes + max(trace.peak, trace.after + state.scratch)
+            row.temporaries = max(0, row.peak - row.accounted)
+            rows.append(row)
+        notes = []
+        if domain > 1 and slices[0] != slices[-1]:
+            notes.append(f"uneven shards: {extent} rows over {domain} ranks hold {sorted(set(slices), reverse=True)} "
+                         "rows (torch.chunk)")
+        if wrapper == "fsdp2":
+            notes.append(f"{BUFFERS[wrapper]}: FSDP2 holds two units' all-gathered parameters at once (it prefetches "
+                         "the next unit in backward, and overlaps each copy-out with the previous all-gather in "
+                         "forward)")
+        return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
+                    self.optimizer, self.name, time.perf_counter() - t0, notes)
+
+    def valid_domain(self, n: int) -> bool:
+        """Whether n domain ranks each get at least the halo rows (and one row) of ``torch.chunk``'s split."""
+        extent, need = self.field_shape[self.dim], max(1, self.halo)
+        if n == 1:
+            return True
+        size = -(-extent // n)  # torch.chunk: slices of ceil(extent / n) rows, the last one what is left
+        return n <= extent and -(-extent // size) == n and extent - size * (n - 1) >= need
+
+    def valid_domains(self) -> list[int]:
+        """Every domain size this field can be split into (see ``valid_domain``), smallest first."""
+        return [n for n in range(1, self.field_shape[self.dim] + 1) if self.valid_domain(n)]
+
+    def max_domain(self) -> int:
+        """The most domain ranks the sharded dim allows."""
+        return self.valid_domains()[-1]
+
+    def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> bool:
+        p = self.plan(ddp, domain, wrapper)
+        need = p.largest().total
+        return need + p.headroom(need) <= capacity
+
+    def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp") -> int | None:
+        """The fewest domain ranks with which every rank fits in ``capacity`` (headroom kept), or None."""
+        sizes = self.valid_domains()
+        if not self.fits(capacity, ddp, sizes[-1], wrapper):
+            return None
+        lo, hi = 0, len(sizes) - 1  # the largest rank's rows, hence its bytes, never grow with the domain size
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.fits(capacity, ddp, sizes[mid], wrapper):
+                hi = mid
+            else:
+                lo = mid + 1
+        return sizes[lo]
+
+
+def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
+         dtype=torch.float32, shard_dim: int = 2) -> Plan:
+    """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
+    field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
+    ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas and ``optimizer``."""
+    return Planner(model, field_shape, dtype, optimizer, shard_dim).plan(ddp, domain, wrapper)
+
+
+@dataclass
+class Verdict:
+    """Does a layout fit on GPUs of ``capacity`` bytes, with the headroom of ``LEFT_OUT`` kept?"""
+
+    fits: bool
+    capacity: int
+    largest_rank: int
+    need: int
+    headroom: int
+    left: int
+    text: str  # "fits with X GiB left" or "does not fit: smallest domain size that fits is N", or why none does
+    smallest_domain: int | None = None
+
+
+def verdict(planner: Planner, result: Plan, capacity: int) -> Verdict:
+    """Does the layout fit on GPUs of ``capacity`` bytes, with the headroom of ``LEFT_OUT`` kept?"""
+    big = result.largest()
+    headroom = result.headroom(big.total)
+    left = capacity - big.total - headroom
+    answer = Verdict(left >= 0, capacity, big.rank, big.total, headroom, left, f"fits with {left / GiB:.1f} GiB left")
+    if answer.fits:
+        return answer
+    answer.smallest_domain = planner.smallest_domain(capacity, result.ddp, result.wrapper)
+    if answer.smallest_domain is not None:
+        answer.text = f"does not fit: smallest domain size that fits is {answer.smallest_domain}"
+        return answer
+    top = planner.plan(result.ddp, planner.max_domain(), result.wrapper).largest()
+    fixed = top.params + top.grads + top.optimizer + top.buffers
+    answer.text = (f"does not fit at any domain size: with {planner.max_domain()} domain ranks a rank still needs "
+                   f"{fmt_bytes(top.total)}, of which {fmt_bytes(top.transient)} is the full field that "
+                   f"scatter_tensor broadcasts and {fmt_bytes(fixed)} parameters, gradients and optimizer state "
+                   "(FSDP2 on more ddp ranks divides those)")
+    return answer

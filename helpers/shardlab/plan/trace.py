@@ -1,0 +1,240 @@
+"""Tracing on the meta device: one rank's training step replayed on shapes alone.
+
+``trace_rank`` runs ``sl.train.training_step`` itself (the step ``Trainer.step`` takes) on a meta copy of the model,
+with the scatter, the sharded convolutions and the byte counters plugged in through its phase hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..train import training_step
+from .inputs import OPTIMIZERS
+
+ALLOCATOR_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity for a tensor's storage that also works on the meta device (where every data_ptr is 0)."""
+    return t.untyped_storage()._cdata
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def blocks(n: int) -> int:
+    """Bytes the CUDA caching allocator counts for an allocation of n bytes."""
+    return -(-n // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live storages created inside ``with``, counted in allocator blocks; ``peak`` is the high-water mark.
+
+    Works on meta tensors: a storage's Python object can be watched with ``weakref.finalize``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._sizes:
+                    self._sizes[key] = blocks(storage.nbytes())
+                    self.live += self._sizes[key]
+                    weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+class FFTDims(TorchDispatchMode):
+    """Inside ``with``: the tensor dims every FFT transforms (``dims``), seen at the aten level, where each of
+    ``torch.fft``'s functions arrives as ``_fft_r2c``, ``_fft_c2c`` or ``_fft_c2r`` with its dims listed."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("_fft_r2c", "_fft_c2c", "_fft_c2r"):
+            rank = args[0].dim()
+            self.dims |= {d % rank: name for d in args[1]}
+        return func(*args, **(kwargs or {}))
+
+
+_CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _per_dim(value, n: int) -> tuple:
+    return tuple(value) if isinstance(value, list | tuple) else (value,) * n
+
+
+def conv_halo(kernel_size: int, dilation: int = 1) -> int:
+    """Rows a sharded convolution needs from each neighbour: half its receptive field (odd kernels), as PhysicsNeMo's
+    ``compute_halo_from_kernel_stride_and_dilation``; even kernels are only shardable with stride = kernel: none."""
+    return 0 if kernel_size % 2 == 0 else (dilation * (kernel_size - 1) + 1) // 2
+
+
+class _ShardedConvolutions(TorchFunctionMode):
+    """Inside ``with``: every convolution behaves as PhysicsNeMo's ShardTensor convolution on one rank.
+
+    Along the sharded dim the input gets the neighbours' halo rows (or, at the first and last rank of the domain,
+    the convolution's own zero padding), and the convolution then runs with no padding along that dim.
+    """
+
+    def __init__(self, dim: int, first: bool, last: bool, padded: dict):
+        super().__init__()
+        self.dim, self.first, self.last, self.padded = dim, first, last, padded
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _CONVS:
+            return func(*args, **(kwargs or {}))
+        spatial = _CONVS[func]
+        call = dict(zip(_CONV_ARGS, args)) | (kwargs or {})
+        x, weight = call["input"], call["weight"]
+        axis = self.dim - (x.dim() - spatial)  # which kernel dim runs along the sharded tensor dim
+        if not 0 <= axis < spatial:
+            return func(**call)
+        k = weight.shape[2 + axis]
+        dilation = _per_dim(call.get("dilation", 1), spatial)
+        padding = call.get("padding", 0)
+        if isinstance(padding, str):  # "same" / "valid", as PhysicsNeMo's padding_from_str_and_params resolves them
+            padding = tuple(((weight.shape[2 + i] - 1) * dilation[i]) // 2 if padding == "same" else 0
+                            for i in range(spatial))
+        padding = list(_per_dim(padding, spatial))
+        halo = conv_halo(k, dilation[axis])
+        if halo == 0:
+            return func(**call)
+        above = padding[axis] if self.first else halo
+        below = padding[axis] if self.last else halo
+        pads = [0] * (2 * x.dim())
+        pads[2 * (x.dim() - 1 - self.dim)], pads[2 * (x.dim() - 1 - self.dim) + 1] = above, below
+        xp = F.pad(x, pads)
+        self.padded[storage_id(xp)] = (above + below) / xp.shape[self.dim]  # the share of rows not this rank's
+        padding[axis] = 0
+        return func(**(call | {"input": xp, "padding": tuple(padding)}))
+
+
+class _SavedOnMeta:
+    """Bytes autograd saves for backward, deduplicated and with parameters excluded as ``SavedActivations`` does,
+    for meta tensors (whose data pointers are all 0: the storage identifies them)."""
+
+    def __init__(self, exclude: set[int], padded: dict):
+        self.exclude, self.padded = exclude, padded
+        self.seen: set[tuple] = set()
+        self.bytes = 0
+        self.halos = 0.0
+
+    def pack(self, t):
+        key = (storage_id(t), t.storage_offset(), tuple(t.shape))
+        if key[0] not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += nbytes(t)
+            self.halos += nbytes(t) * self.padded.get(key[0], 0.0)
+        return t
+
+
+def local_slices(extent: int, n: int) -> list[int]:
+    """Rows each of n domain ranks holds: ``torch.chunk`` of the sharded dim, which ``scatter_tensor`` (through
+    DTensor's ``Shard``) uses. Uneven: the first ranks get ceil(extent / n), the last one the rest."""
+    size = -(-extent // n)
+    return [max(0, min(size, extent - i * size)) for i in range(n)]
+
+
+def fsdp_shards(shape: torch.Size, ddp: int) -> tuple[list[torch.Size], int]:
+    """``fully_shard``'s split of a parameter over the ddp ranks: the local shapes (``torch.chunk`` of dim 0, possibly
+    empty), and the padded shard's element count (every shard is padded to the size of the first)."""
+    if len(shape) == 0:
+        return [shape] * ddp, 1
+    rows = local_slices(shape[0], ddp)
+    chunks = [torch.Size([r, *shape[1:]]) for r in rows]
+    return chunks, chunks[0].numel()
+
+
+@dataclass
+class Trace:
+    activations: int
+    halos: int
+    peak: int  # the replayed scatter, forward and backward's high-water mark of live bytes, inputs included
+    after: int  # live bytes left when backward is done: what sits under the optimizer step
+
+
+class _GradientsKept:
+    """The replay's optimizer. The previous step's gradients stay (persistent state, counted with the wrapper's
+    shard shapes), and the optimizer's own step is replayed apart (``optimizer_state``), on those shapes too."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self):
+        pass
+
+
+def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int) -> Trace:
+    """One rank's training step (``sl.train.training_step``) on the meta device: the scatter, then the forward with
+    its saved tensors recorded and its convolutions sharded, the loss and the backward, live bytes tracked."""
+    padded: dict[int, float] = {}
+    params = list(model.parameters())
+    saved = _SavedOnMeta({storage_id(p) for p in params}, padded)
+    for p in params:
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    target_shape = (field_shape[0], out_channels, *field_shape[2:])
+
+    def scatter():  # scatter_tensor: the whole tensor on every rank, then this rank's slice (a view where it can be)
+        fields = []
+        for shape in (field_shape, target_shape):
+            full = torch.empty(shape, dtype=dtype, device="meta")
+            fields.append(torch.chunk(full, domain, dim=dim)[position].contiguous() if domain > 1 else full)
+        return fields
+
+    marks = {}
+
+    @contextlib.contextmanager
+    def phase(name):
+        if name == "step":
+            marks["after"] = live.live
+        with contextlib.ExitStack() as stack:
+            if name == "forward":
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
+                if domain > 1:
+                    stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
+            yield
+
+    with LiveBytes() as live:
+        loss = training_step(model, _GradientsKept(), scatter, phase=phase)
+        del loss
+    for p in params:
+        p.grad = None
+    return Trace(saved.bytes, round(saved.halos), live.peak, marks["after"])
+
+
+def optimizer_state(optimizer_name: str, local: list[torch.Tensor]) -> tuple[int, int, int]:
+    """(state bytes as ``state_bytes`` counts them, of which on the parameters' device, the step's scratch)."""
+    optimizer = OPTIMIZERS[optimizer_name](local)
+    for p in local:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # creates the state, as the first training step does
+    with LiveBytes() as live:
+        optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    on_device = sum(blocks(nbytes(v)) for v in state if v.device.type == "meta")  # Adam's step count stays on CPU
+    return sum(nbytes(v) for v in state), on_device, live.peak
