@@ -124,7 +124,7 @@ def test_command_line_prints_the_table_and_writes_json_for_8192_squared(tmp_path
                           capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verdict on 80.0 GiB GPUs: fits with" in proc.stdout and "left out" in proc.stdout
+    assert "verdict on 80.0 GiB GPUs (--gpu 80GiB): fits with" in proc.stdout and "left out" in proc.stdout
     report = json.loads(out.read_text())
     assert [r["rank"] for r in report["rows"]] == list(range(16))
     for row in report["rows"]:
@@ -140,6 +140,60 @@ def test_command_line_says_what_does_not_fit_and_refuses_a_domain_too_large(caps
     assert "does not fit: smallest domain size that fits is 3" in capsys.readouterr().out
     assert plan.main(["--field", "64x64", "--domain", "100"]) == 2
     assert "halo row" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--kernel-size", "-3"], "kernel size -3: a kernel size is a positive odd number"),
+    (["--kernel-size", "4"], "kernel size 4: odd kernels only"),
+    (["--json", "{tmp}/no/such/folder/plan.json"], "cannot write there"),
+    (["--json", "{tmp}"], "cannot write there"),  # a folder
+    (["--gpu", "80"], "'80' has no unit: write 80GiB"),
+    (["--field", "64x64x64", "--domain", "0"], "ddp=1, domain=0: both axis sizes must be at least 1"),
+])
+def test_command_line_bad_input_is_one_line_that_says_what_to_change(args, says, tmp_path, capsys):
+    assert plan.main(["--field", "64x64", *[a.format(tmp=tmp_path) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("gpu, gib", [("80GB", "74.5"), ("80GiB", "80.0"), ("H100", "79.6"), ("H200", "140.4")])
+def test_the_verdict_names_the_capacity_it_used_in_gib(gpu, gib, capsys):
+    assert plan.main(["--field", "64x64", "--gpu", gpu]) == 0
+    assert f"verdict on {gib} GiB GPUs (--gpu {gpu}): fits with" in capsys.readouterr().out
+
+
+def test_piping_into_head_ends_without_a_traceback():
+    proc = subprocess.run(f"{sys.executable} -m shardlab.plan --field 4096x4096 --domain 8 | head -n 1", shell=True,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stdout.startswith("# memory plan:") and proc.stdout.count("\n") == 1
+    assert proc.stderr == "", proc.stderr
+
+
+class Spectral(torch.nn.Module):
+    """An FNO-like layer: multiply in Fourier space over both spatial dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return torch.fft.irfft2(torch.fft.rfft2(x) * self.weight, s=x.shape[-2:])
+
+
+def test_what_cannot_be_planned_truthfully_is_refused_with_the_reason():
+    spectral = plan.Planner(Spectral(), (1, 1, 64, 64))
+    assert spectral.plan(domain=1).rows[0].activations > 0  # unsharded, an FFT is planned like any op
+    with pytest.raises(ValueError, match="FFT .* along dim 2, the sharded dim: every output row depends on every "
+                                         "input row"):
+        spectral.plan(domain=2)
+    with pytest.raises(ValueError, match="batch size 2 per domain group.*scale the global batch on the ddp axis"):
+        plan.plan(plan.conv_model(2), (2, 1, 64, 64), domain=2)
+    assert plan.plan(plan.conv_model(2), (2, 1, 64, 64), ddp=2).rows[0].activations > 0  # batch 2 on one rank: fine
+    with pytest.raises(ValueError, match=r"a 2-D field \(1, 1, 64, 64\) given to a model with Conv3d layers"):
+        plan.Planner(plan.conv_model(3), (1, 1, 64, 64))
+    with pytest.raises(ValueError, match="cannot run on a field of shape"):
+        plan.Planner(torch.nn.Linear(5, 5), (1, 1, 64, 64))
 
 
 @pytest.mark.multirank

@@ -17,7 +17,7 @@ from .live import comparison_table, measure_cases, measure_on_ranks, series_case
 from .planner import LEFT_OUT, Plan, Planner, Verdict, verdict
 
 
-def _print_plan(planner: Planner, result: Plan, capacity: int | None) -> Verdict | None:
+def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:
     print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
           f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
           f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}")
@@ -35,19 +35,18 @@ def _print_plan(planner: Planner, result: Plan, capacity: int | None) -> Verdict
     if capacity is None:
         return None
     v = verdict(planner, result, capacity)
-    print(f"verdict on {capacity / GiB:.1f} GiB GPUs: {v.text} (need {fmt_bytes(v.need)} + headroom "
+    print(f"verdict on {capacity / GiB:.1f} GiB GPUs (--gpu {gpu}): {v.text} (need {fmt_bytes(v.need)} + headroom "
           f"{fmt_bytes(v.headroom)})")
     return v
 
 
-def _writable(path: str) -> str:
+def _check_writable(path: str) -> None:
     """``--json``'s path, refused before any work if it cannot be written."""
     target = Path(path)
     if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK) or (
             target.exists() and not os.access(target, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {path!r}: give a file in a folder that exists and that you "
-                                         "can write to")
-    return path
+        raise ValueError(f"--json {path}: cannot write there; give a file in a folder that exists and that you can "
+                         "write to.")
 
 
 def main(argv=None) -> int:
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-size", type=int, default=3, help="an odd kernel size: 3, 5, 7, ...")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
-    parser.add_argument("--json", type=_writable, help="write the per-rank rows and the verdict to this file")
+    parser.add_argument("--json", help="write the per-rank rows and the verdict to this file")
     parser.add_argument("--measure", action="store_true",
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
     parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
@@ -78,25 +77,25 @@ def main(argv=None) -> int:
         return _measure_main(args)
 
     try:
+        if args.json:
+            _check_writable(args.json)
         field_shape = parse_field(args.field)
         capacity = parse_size(args.gpu) if args.gpu else None
-    except ValueError as error:
-        parser.error(str(error))
-    if args.kernel_size < 1 or args.kernel_size % 2 == 0:
-        parser.error(f"--kernel-size {args.kernel_size}: odd kernels only (3, 5, 7, ...): a sharded convolution "
-                     "needs the same number of halo rows from each neighbour")
-    try:
         model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
         planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
                           name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})")
         result = planner.plan(args.ddp, args.domain, args.wrapper)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except ValueError as error:  # one line that says what to change, no traceback
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    v = _print_plan(planner, result, capacity)
+    v = _print_plan(planner, result, capacity, args.gpu)
     if args.json:
         out = result.as_json(capacity) | {"verdict": asdict(v) if v else None}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        except OSError as error:
+            print(f"{parser.prog}: error: --json {args.json}: {error.strerror}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -17,15 +17,15 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, foreach=True),
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
 }
-# Memory as sold (the datasheet's GB, read as GiB); the driver reports a little less, and the CUDA context takes
-# its share: both are in the headroom below.
+# The memory the driver reports (nvidia-smi's memory.total), which is what a job can allocate before the CUDA context
+# and NCCL take their share (those are in the verdict's headroom). Figures as nvidia-smi prints them for each card.
 GPUS = {
-    "RTX 4090 (24 GB)": 24 * GiB,
-    "L40S (48 GB)": 48 * GiB,
-    "A100 (40 GB)": 40 * GiB,
-    "A100 (80 GB)": 80 * GiB,
-    "H100 (80 GB)": 80 * GiB,
-    "H200 (141 GB)": 141 * GiB,
+    "RTX 4090 (24 GB)": 24564 * MiB,
+    "L40S (48 GB)": 46068 * MiB,
+    "A100 (40 GB)": 40960 * MiB,
+    "A100 (80 GB)": 81920 * MiB,
+    "H100 (80 GB)": 81559 * MiB,
+    "H200 (141 GB)": 143771 * MiB,
 }
 
 
@@ -40,18 +40,22 @@ def parse_field(text: str, channels: int = 1, batch: int = 1) -> tuple[int, ...]
     return (batch, channels, *spatial)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": MiB, "g": GiB, "gb": 1e9,
+_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": MiB, "g": GiB, "gb": 1e9,
           "gib": GiB, "t": 1024 * GiB, "tb": 1e12, "tib": 1024 * GiB}
 
 
 def parse_size(text: str | float | int) -> int:
-    """``"80GiB"``, ``"80GB"`` (10⁹ bytes), ``"141G"`` (GiB), a number of bytes, or a name from ``GPUS`` → bytes."""
+    """``"80GiB"``, ``"80GB"`` (10⁹ bytes), ``"141G"`` (GiB), ``"512B"``, or a name from ``GPUS`` → bytes; a number
+    (not text) is bytes. Text needs its unit: a bare "80" is refused, not read as 80 bytes."""
     if isinstance(text, int | float):
         return int(text)
     for name, capacity in GPUS.items():
         if text.strip().lower() in (name.lower(), name.split(" (")[0].lower()):
             return capacity
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m and not m.group(2):
+        raise ValueError(f"GPU memory {text!r} has no unit: write {m.group(1)}GiB ({m.group(1)}·2³⁰ bytes) or "
+                         f"{m.group(1)}GB ({m.group(1)}·10⁹ bytes), or name one of {list(GPUS)}.")
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"GPU memory {text!r}: write it like 80GiB, 40GB or 24G, or name one of {list(GPUS)}.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -72,5 +76,10 @@ def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int 
     """
     if depth < 1 or width < 1:
         raise ValueError(f"width={width}, depth={depth}: both must be at least 1.")
+    if kernel_size < 1:
+        raise ValueError(f"kernel size {kernel_size}: a kernel size is a positive odd number, e.g. 3 or 5.")
+    if kernel_size % 2 == 0:
+        raise ValueError(f"kernel size {kernel_size}: odd kernels only (3, 5, 7, ...): a sharded convolution takes the "
+                         "same number of halo rows from each neighbour, and 'same' padding keeps the field's size.")
     with torch.device(device):
         return conv_stack(width=width, layers=depth, kernel_size=kernel_size, dims=dims)

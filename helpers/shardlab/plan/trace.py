@@ -76,7 +76,8 @@ class FFTDims(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if name in ("_fft_r2c", "_fft_c2c", "_fft_c2r"):
             rank = args[0].dim()
-            self.dims |= {d % rank: name for d in args[1]}
+            for d in args[1]:
+                self.dims.setdefault(d % rank, name)
         return func(*args, **(kwargs or {}))
 
 
