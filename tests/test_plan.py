@@ -82,6 +82,33 @@ def test_large_fields_are_planned_on_the_meta_device_in_seconds():
     print(f"512^3 and 8192^2 planned in {time.perf_counter() - t0:.2f} s")
 
 
+def test_planning_time_does_not_grow_with_the_rank_count_or_the_field(monkeypatch):
+    """Cached by shard shapes, bisected over domain sizes: counted in traces and optimizer replays, not seconds."""
+    from shardlab.plan import planner as planner_module
+
+    calls = {"trace_rank": 0, "optimizer_state": 0}
+    for name in calls:
+        def counted(*args, _name=name, _real=getattr(planner_module, name)):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(planner_module, name, counted)
+    t0 = time.perf_counter()
+    wide = plan.Planner(plan.conv_model(2), plan.parse_field("4096x4096"))
+    for wrapper in ("ddp", "fsdp2"):
+        assert plan.verdict(wide, wide.plan(ddp=5000, wrapper=wrapper), plan.parse_size("80GiB")).fits
+    assert calls["trace_rank"] == 1 and calls["optimizer_state"] <= 5  # 5000 FSDP2 ranks share 4 shard shapes
+    huge = plan.Planner(plan.conv_model(2), plan.parse_field("1000000x1000000"))
+    answer = plan.verdict(huge, huge.plan(), plan.parse_size("80TiB"))
+    assert answer.smallest_domain == 5 and calls["trace_rank"] <= 1 + 3 * 21  # 3 positions x log2(10^6) sizes
+    print(f"ddp 5000 and a 10^6 x 10^6 field planned and judged in {time.perf_counter() - t0:.2f} s "
+          f"({calls['trace_rank']} traces), this machine")
+    # The bisection agrees with a scan of every domain size.
+    small = plan.Planner(plan.conv_model(2, width=32), plan.parse_field("96x96"))
+    capacity = small.largest(2, 5).total + plan.planner.headroom(small.largest(2, 5).total, 10)
+    scanned = next(n for n in small.valid_domains() if small.fits(capacity, 2, n))
+    assert small.smallest_domain(capacity, ddp=2) == scanned and 1 < scanned <= 5
+
+
 def test_verdicts_fit_smallest_domain_and_no_domain():
     planner = plan.Planner(plan.conv_model(2, width=64, depth=6), plan.parse_field("8192x8192"))
     capacity = plan.parse_size("80GiB")
@@ -93,6 +120,7 @@ def test_verdicts_fit_smallest_domain_and_no_domain():
     assert fits.left == capacity - fits.need - fits.headroom
     tiny = plan.verdict(planner, planner.plan(domain=1), plan.parse_size("1GiB"))
     assert tiny.text.startswith("does not fit at any domain size") and "scatter_tensor" in tiny.text
+    assert "256 MiB is the full input field and 256 MiB the full target field" in tiny.text  # 8192² fp32 each
 
 
 def test_sizes_fields_and_what_is_left_out():

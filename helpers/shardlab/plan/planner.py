@@ -45,6 +45,16 @@ LEFT_OUT = (
 )
 
 
+def headroom(need: int, world_size: int) -> int:
+    """Bytes kept free beside ``need`` for what the planner cannot see (``LEFT_OUT``) on a job of ``world_size``."""
+    extra = 0
+    for item in LEFT_OUT:
+        if item.get("multi_rank_only") and world_size == 1:
+            continue
+        extra += item.get("bytes", 0) + item.get("fraction", 0.0) * need
+    return int(extra)
+
+
 @dataclass
 class RankBytes:
     """One rank's bytes by category: predicted by the planner, or measured on the rank (``measure_rank``)."""
@@ -103,13 +113,7 @@ class Plan:
 
     def headroom(self, need: int | None = None) -> int:
         """Bytes kept free for what the planner cannot see (``LEFT_OUT``), for this layout."""
-        need = self.largest().total if need is None else need
-        extra = 0
-        for item in LEFT_OUT:
-            if item.get("multi_rank_only") and self.world_size == 1:
-                continue
-            extra += item.get("bytes", 0) + item.get("fraction", 0.0) * need
-        return int(extra)
+        return headroom(self.largest().total if need is None else need, self.world_size)
 
     def groups(self) -> list[tuple[str, RankBytes]]:
         """Ranks with the same bytes merged: (label such as "ranks 0-7", one of their rows), in rank order."""
@@ -200,6 +204,7 @@ class Planner:
         self.out_channels = probe.shape[1]
         self._traces: dict[tuple, Trace] = {}
         self._states: dict[tuple, _State] = {}
+        self._shards: dict[int, list] = {}  # per ddp size: fully_shard's split of each parameter
 
     def _trace(self, domain: int, position: int, rows: int) -> Trace:
         key = (domain > 1, position == 0, position == domain - 1, rows)  # all a rank's slice depends on
@@ -219,32 +224,39 @@ class Planner:
             return root + max(children, default=0)
         return root + max((before + 2 * size for before, size in zip([0, *children], children)), default=0)
 
+    def _local_shapes(self, wrapper: str, ddp: int, index: int) -> tuple:
+        """The shapes of the parameters ddp index ``index`` holds: the whole of each, or its FSDP2 shard."""
+        if wrapper != "fsdp2":
+            return tuple(p.shape for p in self.params)
+        if ddp not in self._shards:
+            self._shards[ddp] = [fsdp_shards(p.shape, ddp) for p in self.params]
+        return tuple(shapes[index] for shapes, _ in self._shards[ddp])
+
     def _state(self, wrapper: str, ddp: int, index: int) -> _State:
-        key = (wrapper, ddp if wrapper == "fsdp2" else 1, index if wrapper == "fsdp2" else 0)
+        """Cached by what it depends on: the wrapper, the local shard shapes, and for FSDP2 the padded shards (the
+        ddp size). Thousands of ddp ranks share a handful of shard shapes."""
+        shapes = self._local_shapes(wrapper, ddp, index)
+        key = (wrapper, ddp if wrapper == "fsdp2" else 1, shapes)
         if key in self._states:
             return self._states[key]
         elsize = torch.empty((), dtype=self.dtype).element_size()
+        local = dict(zip(map(id, self.params), shapes))
+        params = sum(math.prod(shape) for shape in shapes) * elsize
+        grads = sum(math.prod(local[id(p)]) for p in self.trainable) * elsize
+        tensors = [torch.empty(local[id(p)], dtype=p.dtype, device="meta") for p in self.trainable]
         if wrapper == "fsdp2":
-            shards = {id(p): fsdp_shards(p.shape, ddp) for p in self.params}
-            local = {id(p): shards[id(p)][0][index] for p in self.params}
-            params = sum(local[id(p)].numel() for p in self.params) * elsize
-            grads = sum(local[id(p)].numel() for p in self.trainable) * elsize
-            device = sum(blocks(shards[id(p)][1] * elsize) for p in [*self.params, *self.trainable])
+            padded = {id(p): padded for p, (_, padded) in zip(self.params, self._shards[ddp])}
+            device = sum(blocks(padded[id(p)] * elsize) for p in [*self.params, *self.trainable])
             buffers = self._gathered(ddp, elsize)
-            tensors = [torch.empty(local[id(p)], dtype=p.dtype, device="meta") for p in self.trainable]
         else:
-            params = sum(nbytes(p) for p in self.params)
-            grads = sum(nbytes(p) for p in self.trainable)
             device = sum(blocks(nbytes(p)) for p in [*self.params, *self.trainable])
             buffers = grads if wrapper == "ddp" else 0
-            tensors = [torch.empty_like(p) for p in self.trainable]
         opt_bytes, opt_device, scratch = optimizer_state(self.optimizer, tensors)
         self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device + blocks(buffers), scratch)
         return self._states[key]
 
-    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> Plan:
-        """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis."""
-        t0 = time.perf_counter()
+    def _check(self, ddp: int, domain: int, wrapper: str) -> list[int]:
+        """The layout's rows per domain rank, or a ValueError that says why it cannot be planned."""
         if wrapper not in WRAPPERS:
             raise ValueError(f"wrapper={wrapper!r}: choose one of {WRAPPERS} (FSDP1 and distribute_module are not "
                              "options).")
@@ -261,35 +273,60 @@ class Planner:
         slices = local_slices(extent, domain)
         if domain > 1 and not self.valid_domain(domain):
             worst = slices.index(min(slices))
-            valid = self.valid_domains()
-            near = sorted(valid, key=lambda n: abs(n - domain))[:2]
+            near = sorted({n for n in (self._valid_at_or_below(domain), self._valid_at_or_above(domain)) if n})
             raise ValueError(f"domain={domain} over {extent} rows: torch.chunk cuts {slices[0]}-row slices and rank "
                              f"{worst} of the domain would hold {slices[worst]} row(s), fewer than the "
                              f"{max(1, self.halo)} halo row(s) a convolution needs from each neighbour. Domain sizes "
-                             f"near it that work: {sorted(near)}; at most {valid[-1]}.")
+                             f"near it that work: {near}; at most {self.max_domain()}.")
+        return slices
+
+    def _row(self, ddp: int, domain: int, wrapper: str, rank: int, slices: list[int], transient: int) -> RankBytes:
+        index, position = divmod(rank, domain)
+        state, trace = self._state(wrapper, ddp, index), self._trace(domain, position, slices[position])
+        row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
+                        transient if domain > 1 else 0, state.buffers, rows=slices[position])
+        row.peak = state.device_bytes + max(trace.peak, trace.after + state.scratch)
+        row.temporaries = max(0, row.peak - row.accounted)
+        return row
+
+    def full_fields(self) -> tuple[int, int]:
+        """Bytes of the whole input and the whole target: what scatter_tensor broadcasts to every rank of a domain."""
         elsize = torch.empty((), dtype=self.dtype).element_size()
-        full = max(math.prod(self.field_shape), math.prod((self.field_shape[0], self.out_channels,
-                                                           *self.field_shape[2:]))) * elsize
-        transient = full if domain > 1 else 0  # the larger of input and target, broadcast whole by scatter_tensor
-        rows = []
-        for rank in range(ddp * domain):
-            index, position = divmod(rank, domain)
-            state, trace = self._state(wrapper, ddp, index), self._trace(domain, position, slices[position])
-            row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
-                            transient, state.buffers, rows=slices[position])
-            row.peak = state.device_bytes + max(trace.peak, trace.after + state.scratch)
-            row.temporaries = max(0, row.peak - row.accounted)
-            rows.append(row)
+        return (math.prod(self.field_shape) * elsize,
+                math.prod((self.field_shape[0], self.out_channels, *self.field_shape[2:])) * elsize)
+
+    def _transient(self) -> int:
+        return max(self.full_fields())  # the larger of the two, in flight during the scatter
+
+    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> Plan:
+        """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis."""
+        t0 = time.perf_counter()
+        slices = self._check(ddp, domain, wrapper)
+        transient = self._transient()
+        rows = [self._row(ddp, domain, wrapper, rank, slices, transient) for rank in range(ddp * domain)]
         notes = []
         if domain > 1 and slices[0] != slices[-1]:
-            notes.append(f"uneven shards: {extent} rows over {domain} ranks hold {sorted(set(slices), reverse=True)} "
-                         "rows (torch.chunk)")
+            notes.append(f"uneven shards: {self.field_shape[self.dim]} rows over {domain} ranks hold "
+                         f"{sorted(set(slices), reverse=True)} rows (torch.chunk)")
         if wrapper == "fsdp2":
             notes.append(f"{BUFFERS[wrapper]}: FSDP2 holds two units' all-gathered parameters at once (it prefetches "
                          "the next unit in backward, and overlaps each copy-out with the previous all-gather in "
                          "forward)")
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
                     self.optimizer, self.name, time.perf_counter() - t0, notes)
+
+    def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> RankBytes:
+        """``plan(...).largest()`` without a row for every rank: one rank per distinct shard shape and domain
+        position (first, second, last), so a layout of a million ranks is judged in milliseconds."""
+        slices = self._check(ddp, domain, wrapper)
+        transient = self._transient()
+        indices = {}
+        for index in range(ddp):  # the first ddp index of each distinct set of shard shapes
+            indices.setdefault(self._local_shapes(wrapper, ddp, index), index)
+        ranks = {index * domain + position for index in indices.values() for position in {0, min(1, domain - 1),
+                                                                                            domain - 1}}
+        return max((self._row(ddp, domain, wrapper, rank, slices, transient) for rank in ranks),
+                   key=lambda r: (r.total, -r.rank))
 
     def valid_domain(self, n: int) -> bool:
         """Whether n domain ranks each get at least the halo rows (and one row) of ``torch.chunk``'s split."""
@@ -299,32 +336,43 @@ class Planner:
         size = -(-extent // n)  # torch.chunk: slices of ceil(extent / n) rows, the last one what is left
         return n <= extent and -(-extent // size) == n and extent - size * (n - 1) >= need
 
+    def _valid_at_or_above(self, n: int) -> int | None:
+        extent = self.field_shape[self.dim]
+        return next((m for m in range(max(1, n), extent + 1) if self.valid_domain(m)), None)
+
+    def _valid_at_or_below(self, n: int) -> int:
+        return next(m for m in range(min(n, self.field_shape[self.dim]), 0, -1) if self.valid_domain(m))
+
     def valid_domains(self) -> list[int]:
         """Every domain size this field can be split into (see ``valid_domain``), smallest first."""
         return [n for n in range(1, self.field_shape[self.dim] + 1) if self.valid_domain(n)]
 
     def max_domain(self) -> int:
         """The most domain ranks the sharded dim allows."""
-        return self.valid_domains()[-1]
+        return self._valid_at_or_below(self.field_shape[self.dim])
 
     def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> bool:
-        p = self.plan(ddp, domain, wrapper)
-        need = p.largest().total
-        return need + p.headroom(need) <= capacity
+        need = self.largest(ddp, domain, wrapper).total
+        return need + headroom(need, ddp * domain) <= capacity
 
     def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp") -> int | None:
-        """The fewest domain ranks with which every rank fits in ``capacity`` (headroom kept), or None."""
-        sizes = self.valid_domains()
-        if not self.fits(capacity, ddp, sizes[-1], wrapper):
+        """The fewest domain ranks with which every rank fits in ``capacity`` (headroom kept), or None.
+
+        A bisection over the domain sizes, not a scan: the largest rank's rows, hence its bytes, never grow with the
+        domain size, so a million-row field takes about 20 plans of one or three ranks each."""
+        if self.fits(capacity, ddp, 1, wrapper):  # apart: one rank alone keeps no headroom for NCCL
+            return 1
+        top = self.max_domain()
+        if top == 1 or not self.fits(capacity, ddp, top, wrapper):
             return None
-        lo, hi = 0, len(sizes) - 1  # the largest rank's rows, hence its bytes, never grow with the domain size
+        lo, hi = 2, top  # the smallest n whose next valid domain size fits
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.fits(capacity, ddp, sizes[mid], wrapper):
+            if self.fits(capacity, ddp, self._valid_at_or_above(mid), wrapper):
                 hi = mid
             else:
                 lo = mid + 1
-        return sizes[lo]
+        return self._valid_at_or_above(lo)
 
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
@@ -361,10 +409,13 @@ def verdict(planner: Planner, result: Plan, capacity: int) -> Verdict:
     if answer.smallest_domain is not None:
         answer.text = f"does not fit: smallest domain size that fits is {answer.smallest_domain}"
         return answer
-    top = planner.plan(result.ddp, planner.max_domain(), result.wrapper).largest()
+    top = planner.largest(result.ddp, planner.max_domain(), result.wrapper)
     fixed = top.params + top.grads + top.optimizer + top.buffers
+    field_in, field_out = planner.full_fields()
     answer.text = (f"does not fit at any domain size: with {planner.max_domain()} domain ranks a rank still needs "
-                   f"{fmt_bytes(top.total)}, of which {fmt_bytes(top.transient)} is the full field that "
-                   f"scatter_tensor broadcasts and {fmt_bytes(fixed)} parameters, gradients and optimizer state "
-                   "(FSDP2 on more ddp ranks divides those)")
+                   f"{fmt_bytes(top.total)}, of which {fmt_bytes(field_in)} is the full input field and "
+                   f"{fmt_bytes(field_out)} the full target field, which scatter_tensor broadcasts whole to every rank "
+                   "and which stay allocated while their slices live, and "
+                   f"{fmt_bytes(fixed)} parameters, gradients and optimizer state (FSDP2 on more ddp ranks divides "
+                   "those)")
     return answer

@@ -200,11 +200,14 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     target_shape = (field_shape[0], out_channels, *field_shape[2:])
 
+    size = -(-field_shape[dim] // domain)  # torch.chunk's slices, as scatter_tensor cuts them
+    start, stop = min(position * size, field_shape[dim]), min((position + 1) * size, field_shape[dim])
+
     def scatter():  # scatter_tensor: the whole tensor on every rank, then this rank's slice (a view where it can be)
         fields = []
         for shape in (field_shape, target_shape):
             full = torch.empty(shape, dtype=dtype, device="meta")
-            fields.append(torch.chunk(full, domain, dim=dim)[position].contiguous() if domain > 1 else full)
+            fields.append(full.narrow(dim, start, stop - start).contiguous() if domain > 1 else full)
         return fields
 
     marks = {}
