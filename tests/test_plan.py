@@ -87,11 +87,15 @@ def test_planning_time_does_not_grow_with_the_rank_count_or_the_field(monkeypatc
     from shardlab.plan import planner as planner_module
 
     calls = {"trace_rank": 0, "optimizer_state": 0}
+
+    def counting(name, real):
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
+        return counted
+
     for name in calls:
-        def counted(*args, _name=name, _real=getattr(planner_module, name)):
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(planner_module, name, counted)
+        monkeypatch.setattr(planner_module, name, counting(name, getattr(planner_module, name)))
     t0 = time.perf_counter()
     wide = plan.Planner(plan.conv_model(2), plan.parse_field("4096x4096"))
     for wrapper in ("ddp", "fsdp2"):
