@@ -13,7 +13,18 @@ from ..mesh import check_batch_per_domain_group
 from ..report import Table
 from ..train import WRAPPERS, fsdp_units
 from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
-from .trace import FFTDims, Trace, blocks, conv_halo, fsdp_shards, local_slices, nbytes, optimizer_state, trace_rank
+from .trace import (
+    FFTDims,
+    Trace,
+    blocks,
+    conv_halo,
+    cpu_workspace,
+    fsdp_shards,
+    local_slices,
+    nbytes,
+    optimizer_state,
+    trace_rank,
+)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
 ACCOUNTED = ("params", "grads", "optimizer", "activations", "transient", "buffers")  # what CPU ranks measure exactly
@@ -167,7 +178,7 @@ class Planner:
     """Plans for one model, field, dtype and optimizer, over any layouts; traces are cached per distinct rank shape."""
 
     def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
-                 name: str | None = None):
+                 name: str | None = None, device: str = "cuda"):
         if isinstance(dtype, str):
             dtype = DTYPES[dtype]
         if optimizer not in OPTIMIZERS:
@@ -176,6 +187,10 @@ class Planner:
         if not 2 <= shard_dim < len(self.field_shape):
             raise ValueError(f"shard_dim={shard_dim}: shard a spatial dim of the field {self.field_shape} (2 or more).")
         self.dtype, self.optimizer, self.dim = dtype, optimizer, shard_dim
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device={device!r}: plan for 'cuda' (the GPUs it is for) or 'cpu' (CPU ranks, with the "
+                             "CPU convolutions' workspaces).")
+        self.workspace = cpu_workspace if device == "cpu" else None  # on GPUs: in the verdict's 10 % headroom
         self.name = name or type(model).__name__
         if any(p.device.type != "meta" for p in model.parameters()):
             model = copy.deepcopy(model).to("meta")
@@ -210,7 +225,7 @@ class Planner:
         key = (domain > 1, position == 0, position == domain - 1, rows)  # all a rank's slice depends on
         if key not in self._traces:
             self._traces[key] = trace_rank(self.model, self.field_shape, self.out_channels, self.dtype, self.dim,
-                                           domain, position)
+                                           domain, position, self.workspace)
         return self._traces[key]
 
     def _gathered(self, ddp: int, elsize: int) -> int:
@@ -376,11 +391,11 @@ class Planner:
 
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
-         dtype=torch.float32, shard_dim: int = 2) -> Plan:
+         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda") -> Plan:
     """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
     field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
-    ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas and ``optimizer``."""
-    return Planner(model, field_shape, dtype, optimizer, shard_dim).plan(ddp, domain, wrapper)
+    ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas and ``optimizer``, for ``device``'s kernels."""
+    return Planner(model, field_shape, dtype, optimizer, shard_dim, device=device).plan(ddp, domain, wrapper)
 
 
 @dataclass
