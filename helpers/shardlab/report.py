@@ -6,6 +6,7 @@ No shardlab imports: every other layer may use it. Introduced in ``notebooks/01_
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from tabulate import tabulate
 
@@ -14,20 +15,26 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(cc|cpp|h):\d+\] ")
 
 
 class Table:
-    """Rows of dicts that render as HTML in a notebook and as plain text elsewhere."""
+    """Rows of dicts that render as HTML in a notebook and as plain text elsewhere.
 
-    def __init__(self, rows: list[dict], columns: list[str] | None = None):
+    ``title``: lines printed above the text, each as a ``# `` comment; ``floatfmt``: how floats are written
+    (e.g. ".4f"); ``tablefmt``: tabulate's text format ("plain": no rule under the header)."""
+
+    def __init__(self, rows: list[dict], columns: list[str] | None = None, *, title: Sequence[str] = (),
+                 floatfmt: str = "g", tablefmt: str = "simple"):
         self.rows = list(rows)
         self.columns = columns or (list(self.rows[0]) if self.rows else [])
+        self.title, self.floatfmt, self.tablefmt = list(title), floatfmt, tablefmt
 
     def _cells(self):
         return [[row.get(c, "") for c in self.columns] for row in self.rows]
 
     def _repr_html_(self) -> str:
-        return tabulate(self._cells(), headers=self.columns, tablefmt="html")
+        return tabulate(self._cells(), headers=self.columns, tablefmt="html", floatfmt=self.floatfmt)
 
     def __str__(self) -> str:
-        return tabulate(self._cells(), headers=self.columns)
+        text = tabulate(self._cells(), headers=self.columns, tablefmt=self.tablefmt, floatfmt=self.floatfmt)
+        return "\n".join([*(f"# {line}" for line in self.title), text])
 
     __repr__ = __str__
 
