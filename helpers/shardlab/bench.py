@@ -61,7 +61,11 @@ def _on_ranks(name: str) -> None:
 
     from .launch import init_distributed, shutdown_distributed
 
-    result = same_work() if name == "same-work" else (init_distributed(60), ddp_steps())[1]
+    if name == "same-work":
+        result = same_work()
+    else:
+        init_distributed(60)
+        result = ddp_steps()
     if dist.get_rank() == 0:
         write_job_result(result)
     shutdown_distributed()

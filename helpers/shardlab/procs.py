@@ -146,6 +146,22 @@ def stop(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
     psutil.wait_procs(left, timeout=grace_s)
 
 
+def memory_rows(processes: list[tuple[int, float]], roles: dict[int, str]) -> list[dict]:
+    """Memory of the recorded processes that still run, one row each, in MiB, named by ``roles`` (else
+    "launcher (<name>)"). ``rss`` counts shared pages (libraries) in every process that maps them; ``pss`` splits
+    them between those processes, so the ``pss`` column adds up to what they take together; ``uss`` is a
+    process's alone."""
+    rows = []
+    for proc in alive([tuple(p) for p in processes]):
+        try:
+            info = proc.memory_full_info()
+            rows.append({"process": roles.get(proc.pid, f"launcher ({proc.name()})"), "pid": proc.pid,
+                         "rss_mib": info.rss / 2**20, "pss_mib": info.pss / 2**20, "uss_mib": info.uss / 2**20})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sorted(rows, key=lambda r: r["process"])
+
+
 def run_process_group(cmd: list[str], env: dict[str, str], timeout_s: float, what: str, capture: bool = True,
                       grace_s: float = 15.0) -> subprocess.CompletedProcess:
     """Run ``cmd`` as the leader of a process group of its own and wait for it at most ``timeout_s``.
@@ -267,9 +283,9 @@ class Record:
     job_name: str = ""  # what those jobs are called: a job is cancelled only if its id still carries this name
 
     @classmethod
-    def for_this_kernel(cls, cluster_id: str, profile_dir: str) -> Record:
+    def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "") -> Record:
         me = psutil.Process()
-        return cls(cluster_id, me.pid, me.create_time(), profile_dir)
+        return cls(cluster_id, me.pid, me.create_time(), profile_dir, job_name=job_name)
 
     @property
     def path(self) -> Path:
