@@ -174,7 +174,7 @@ def test_run_job_returns_what_rank_0_wrote_and_leaves_no_log_folder(tmp_path, mo
     script.write_text(RESULT)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     (tmp_path / "temp").mkdir()
-    job = run_job("openmpi", 2, script, ["0", "more"], timeout_s=120)
+    job = run_job("openmpi", 2, script, ["0", "more"], timeout_s=120, env={"CUDA_VISIBLE_DEVICES": ""})
     assert (job.result, job.returncode) == ({"args": ["0", "more"], "world": "2"}, 0)
     assert job.command[0].endswith("mpiexec") and job.seconds > 0
     failing = r"openmpi job of 2 rank\(s\) running .*job\.py failed \(exit code 3\)"

@@ -244,7 +244,7 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
-        job_env = job_environment(**mpi_environment(), **threads, **hidden, **(env or {}))
+        job_env = job_environment(**(mpi_environment() | threads | hidden | dict(env or {})))
         job_env[RESULT_FILE] = str(result_file)
         t0 = time.perf_counter()
         proc = procs.run_process_group(cmd, job_env, timeout_s, what, capture=not show_output)
