@@ -42,3 +42,8 @@ def test_title_lines_and_float_format_for_terminal_tables():
     text = str(Table([{"N": 1, "ratio": 0.51592}], title=["what", "where"], floatfmt=".4f", tablefmt="plain"))
     assert [line.split() for line in text.splitlines()] == [["#", "what"], ["#", "where"], ["N", "ratio"],
                                                              ["1", "0.5159"]]
+
+
+def test_an_indented_cell_keeps_its_indent():
+    text = str(Table([{"what": "total", "s": 2.0}, {"what": "  of which", "s": 1.0}], tablefmt="plain"))
+    assert text.splitlines()[2].startswith("  of which")

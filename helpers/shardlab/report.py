@@ -29,7 +29,9 @@ class Table:
         return tabulate(self._cells(), headers=self.columns, tablefmt="html", floatfmt=self.floatfmt)
 
     def __str__(self) -> str:
-        text = tabulate(self._cells(), headers=self.columns, tablefmt=self.tablefmt, floatfmt=self.floatfmt)
+        # Cells as given: a leading indent says "of which" (bench's phases).
+        text = tabulate(self._cells(), headers=self.columns, tablefmt=self.tablefmt, floatfmt=self.floatfmt,
+                        preserve_whitespace=True)
         return "\n".join([*(f"# {line}" for line in self.title), text])
 
     __repr__ = __str__
