@@ -10,7 +10,7 @@ import torch
 
 import shardlab as sl
 from shardlab import cluster as cl
-from shardlab import engines
+from shardlab import engines, launch
 from shardlab import launcher_programs as programs
 
 
@@ -40,10 +40,69 @@ def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
     assert cl.MPICluster().n == expected
 
 
-def test_bad_shardlab_ranks_says_what_to_set(monkeypatch):
-    monkeypatch.setenv("SHARDLAB_RANKS", "four")
-    with pytest.raises(cl.ClusterError, match=r"SHARDLAB_RANKS='four' is not a whole number"):
-        cl.default_engine_count()
+@pytest.mark.parametrize("value", ["four", "0", "-2"])
+def test_bad_shardlab_ranks_names_the_variable_and_its_value(monkeypatch, value):
+    monkeypatch.setenv("SHARDLAB_RANKS", value)
+    with pytest.raises(cl.ClusterError, match=rf"SHARDLAB_RANKS='{value}' is not a whole number of ranks, at least 1"):
+        cl.MPICluster()
+
+
+def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and_the_override(monkeypatch):
+    monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
+    cores = os.cpu_count() or 1
+    too_many = 4 * cores + 1
+    with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on {cores} CPU core\(s\) is .* more than the 4 this "
+                                         rf"series starts \({4 * cores} ranks here\).*SHARDLAB_MAX_RANKS_PER_CORE=5"):
+        cl.MPICluster(n=too_many, device="cpu")
+    cl.MPICluster(n=4 * cores, device="cpu")  # at the limit: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "5")
+    assert cl.MPICluster(n=too_many, device="cpu").n == too_many  # asked for: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "many")
+    with pytest.raises(ValueError, match=r"SHARDLAB_MAX_RANKS_PER_CORE='many' is not a number"):
+        cl.MPICluster(n=2, device="cpu")
+
+
+class _Answer:
+    """An ipyparallel result, answered by every rank or by none yet."""
+
+    def __init__(self, value, ranks: int):
+        self.value, self.ranks = value, ranks
+
+    def wait(self, timeout):
+        return self.value is not None
+
+    def split(self):
+        return [self] * self.ranks
+
+    def ready(self):
+        return self.value is not None
+
+    def get(self):
+        return self.value
+
+
+class _SlowRanks:
+    """A view whose ranks report their launcher rank, then never finish initialising."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def apply_async(self, function, *args):
+        if function is launch.detect_launch:
+            return _Answer([launch.LaunchInfo("openmpi", r, r, self.ranks, "", "", "OPENMPI")
+                            for r in range(self.ranks)], self.ranks)
+        return _Answer(None, self.ranks)
+
+
+def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
+    cores = os.cpu_count() or 1
+    ranks = cores + 1
+    slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
+    with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
+        cl.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
+    assert "collective" not in str(slow.value)
+    with pytest.raises(cl.ClusterError, match=r"within 60 s\. If they wait in a collective"):
+        cl.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
 
 
 def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):

@@ -11,7 +11,8 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
   other nodes need ``*`` or this node's address);
 - ``SHARDLAB_SHARED_DIR``: where profile folders go (default: the temp folder, which only this
   node sees); a folder every node of the job can read, for engines on other nodes;
-- ``SHARDLAB_RANKS``: how many engines.
+- ``SHARDLAB_RANKS``: how many engines;
+- ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
@@ -48,10 +49,13 @@ def default_engine_count() -> int:
     chosen = os.environ.get("SHARDLAB_RANKS")
     if chosen:
         try:
-            return int(chosen)
+            n = int(chosen)
         except ValueError:
-            raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number: set it to the number of ranks, "
-                               "e.g. SHARDLAB_RANKS=2, or unset it.") from None
+            n = 0
+        if n < 1:
+            raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number of ranks, at least 1: set it to the "
+                               "number of ranks, e.g. SHARDLAB_RANKS=2, or unset it.")
+        return n
     gpus = torch.cuda.device_count()
     return gpus if gpus >= 2 else 4
 
@@ -94,11 +98,16 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
     with rank 0 on loopback at a free port; every rank's state, in rank order."""
     infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
     check_engine_ids(ids, [info.rank for info in infos])
-    threads = max(1, (os.cpu_count() or 1) // len(ids))  # ranks sharing a machine's cores
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // len(ids))  # ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = view.apply_async(launch.init_rank, rendezvous, timeout_s, threads)
-    # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow.
-    states = wait_for(result, ids, max(start_timeout_s, timeout_s + 60), "initialise DistributedManager")
+    # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow: a start that
+    # runs out of time there is a slow start, not a collective some rank never joined.
+    slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
+            "this oversubscribed can outlast the wait. Start fewer ranks, or pass a longer start_timeout_s."
+            if len(ids) > cores else None)
+    states = wait_for(result, ids, max(start_timeout_s, timeout_s + 60), "initialise DistributedManager", slow)
     return sorted(states, key=lambda state: state["rank"])
 
 

@@ -22,7 +22,14 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 from ipyparallel.error import EngineError
 
 from . import procs
-from .launcher_programs import find_mpiexec, mpi_arguments, mpi_environment, oversubscription_note, srun_arguments
+from .launcher_programs import (
+    check_ranks_per_core,
+    find_mpiexec,
+    mpi_arguments,
+    mpi_environment,
+    oversubscription_note,
+    srun_arguments,
+)
 from .px import ClusterError
 
 # Each engine asks the controller for the id equal to its launcher rank, whatever order engines
@@ -236,6 +243,8 @@ def engine_launcher(engines: str, mpi: str, n: int, device: str, job_name: str,
     sbatch job called ``job_name``) of ``n`` engines on ``device``."""
     env = engine_environment(device)
     if engines == "mpi":
+        if device == "cpu":
+            check_ranks_per_core(n, os.cpu_count() or 1)
         return MpiexecEngines(n, env, mpi)
     if in_slurm_allocation():
         return SrunStepEngines(n, env, slurm_args)

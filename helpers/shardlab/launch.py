@@ -26,6 +26,7 @@ from . import procs, workarounds
 # until they use run_job.
 from .launcher_programs import (
     LaunchError,
+    check_ranks_per_core,
     find_mpiexec,  # noqa: F401
     free_port,
     job_command,
@@ -227,7 +228,8 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     named in the job's environment, so the module needs no option for it); ``JobResult.result`` is that value,
     parsed. Environment: this one without any launcher's variables (``clean_environment``), rank 0 on loopback
     on a free port, ``mpi_environment()``, one thread per core share unless OMP_NUM_THREADS is set, no GPU when
-    there are fewer GPUs than ranks (the job then runs on CPU ranks), then ``env``.
+    there are fewer GPUs than ranks (the job then runs on CPU ranks, at most ``check_ranks_per_core`` allows),
+    then ``env``.
 
     Always cleans up: the job's log folder (torchrun's logs, the result file) is removed, and on time-out or
     interruption its whole process group is stopped (``procs.run_process_group``); a time-out raises a
@@ -241,6 +243,8 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     what = f"{launcher} job of {n} rank(s) running {module}"
     threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
+    if hidden and launcher != "slurm":  # CPU ranks on this machine
+        check_ranks_per_core(n, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)

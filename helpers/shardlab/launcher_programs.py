@@ -118,6 +118,28 @@ def oversubscription_note(n: int, cores: int) -> str | None:
             "timings are slower and say nothing about speed on real hardware.")
 
 
+# Every CPU rank imports PyTorch and PhysicsNeMo and holds them: 64 ranks on 2 cores kept a machine at a load of
+# about 100 for minutes before the start gave up. More ranks per core than this is refused unless asked for.
+RANKS_PER_CORE = 4
+
+
+def check_ranks_per_core(n: int, cores: int) -> None:
+    """Refuse ``n`` CPU ranks on ``cores`` cores beyond ``$SHARDLAB_MAX_RANKS_PER_CORE`` (default RANKS_PER_CORE)
+    per core, with the numbers and how to allow it anyway."""
+    variable = "SHARDLAB_MAX_RANKS_PER_CORE"
+    chosen = os.environ.get(variable) or str(RANKS_PER_CORE)
+    try:
+        per_core = float(chosen)
+    except ValueError:
+        raise ValueError(f"{variable}={chosen!r} is not a number: set it to the most ranks per CPU core to start, "
+                         f"e.g. {variable}={RANKS_PER_CORE}, or unset it.") from None
+    if n > per_core * cores:
+        raise ValueError(f"{n} CPU ranks on {cores} CPU core(s) is {n / cores:g} per core, more than the {per_core:g} "
+                         f"this series starts ({int(per_core * cores)} ranks here): every rank imports PyTorch and "
+                         f"PhysicsNeMo, and the start would take minutes. Use {int(per_core * cores)} ranks or fewer "
+                         f"(SHARDLAB_RANKS), or set {variable}={-(-n // cores)} to start them anyway.")
+
+
 def torchrun_command(n: int, *program: str, log_dir: str | os.PathLike | None = None) -> list[str]:
     """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python. Only a command line:
     ``log_dir`` is where torchrun writes its logs; without one it leaves a ``torchelastic_*`` folder in the temp

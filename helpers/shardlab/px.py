@@ -63,13 +63,16 @@ def busy_ranks(async_result, targets: list[int]) -> list[int]:
     return [rank for rank, part in zip(targets, async_result.split()) if not part.ready()]
 
 
-def wait_for(async_result, targets: list[int], timeout_s: float, what: str):
+COLLECTIVE_HINT = ("If they wait in a collective, the other ranks never joined it: cluster.restart() gives fresh "
+                   "ranks.")
+
+
+def wait_for(async_result, targets: list[int], timeout_s: float, what: str, hint: str | None = None):
     """An ipyparallel result from ``targets`` once every rank answered; after ``timeout_s``, a ClusterError that
-    names the ranks that did not."""
+    names the ranks that did not, and ``hint`` (default: a collective another rank never joined)."""
     if not async_result.wait(timeout_s):
         raise ClusterError(f"rank(s) {busy_ranks(async_result, targets)} did not {what} within {timeout_s:.0f} s. "
-                           "If they wait in a collective, the other ranks never joined it: cluster.restart() gives "
-                           "fresh ranks.")
+                           + (hint or COLLECTIVE_HINT))
     return async_result.get()
 
 
