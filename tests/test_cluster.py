@@ -129,6 +129,10 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
         # Engines take their ids from the launcher's rank, without importing an MPI library of their own.
         cluster.view.execute("no_mpi4py = 'mpi4py' not in sys.modules")
         assert cluster.view.pull("no_mpi4py") == [True, True]
+        # OpenMPI's session folder is in the profile, removed at stop, not in the temp folder (where a killed
+        # mpiexec would leave it).
+        cluster.view.execute("import os; session = os.environ['PMIX_SERVER_TMPDIR']")
+        assert {Path(session).parent for session in cluster.view.pull("session")} == {Path(cluster.profile_dir)}
         # Connection files hold the CurveZMQ keys: owner-only, inside an owner-only profile folder.
         profile = Path(cluster.profile_dir)
         assert profile.stat().st_mode & 0o077 == 0

@@ -5,6 +5,7 @@ import atexit
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,7 +166,8 @@ import os, sys
 from shardlab.launch import write_job_result
 rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
 if rank == 0:
-    write_job_result({"args": sys.argv[1:], "world": os.environ["OMPI_COMM_WORLD_SIZE"]})
+    write_job_result({"args": sys.argv[1:], "world": os.environ["OMPI_COMM_WORLD_SIZE"],
+                      "session": os.environ["PMIX_SERVER_TMPDIR"]})
 sys.exit(int(sys.argv[1]))
 """
 
@@ -177,12 +179,14 @@ def test_run_job_returns_what_rank_0_wrote_and_leaves_no_log_folder(tmp_path, mo
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     (tmp_path / "temp").mkdir()
     job = run_job("openmpi", 2, script, ["0", "more"], timeout_s=120, env={"CUDA_VISIBLE_DEVICES": ""})
+    session = Path(job.result.pop("session"))  # OpenMPI's session folder: in the job's log folder, not the temp folder
+    assert session.parent.parent == tmp_path / "temp" and session.parent.name.startswith("shardlab-job-")
     assert (job.result, job.returncode) == ({"args": ["0", "more"], "world": "2"}, 0)
     assert job.command[0].endswith("mpiexec") and job.seconds > 0
     failing = r"openmpi job of 2 rank\(s\) running .*job\.py failed \(exit code 3\)"
     with pytest.raises(JobFailed, match=failing) as failed:
         run_job("openmpi", 2, script, ["3"], timeout_s=120)
-    assert failed.value.result == {"args": ["3"], "world": "2"}  # what it wrote before it failed
+    assert failed.value.result["args"] == ["3"]  # what it wrote before it failed
     assert run_job("openmpi", 2, script, ["3"], timeout_s=120, check=False).returncode == 3
     assert not list((tmp_path / "temp").iterdir())  # the jobs' log folders are gone
 

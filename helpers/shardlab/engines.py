@@ -27,6 +27,7 @@ from .launcher_programs import (
     find_mpiexec,
     mpi_arguments,
     mpi_environment,
+    mpi_session_environment,
     oversubscription_note,
     srun_arguments,
 )
@@ -169,6 +170,7 @@ class MpiexecEngines(EngineLauncher):
         # The MPI wheel's mpiexec finds its helpers (prterun, prted) next to itself, on PATH.
         options["environment"]["PATH"] = str(Path(options["mpi_cmd"][0]).parent) + os.pathsep + os.environ.get(
             "PATH", "")
+        options["environment"] |= mpi_session_environment(profile_dir)  # removed with the profile at stop
         return options
 
     def note(self) -> str | None:

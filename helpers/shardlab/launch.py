@@ -31,6 +31,7 @@ from .launcher_programs import (
     free_port,
     job_command,
     mpi_environment,
+    mpi_session_environment,
     torchrun_command,  # noqa: F401
 )
 
@@ -231,12 +232,12 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     there are fewer GPUs than ranks (the job then runs on CPU ranks, at most ``check_ranks_per_core`` allows),
     then ``env``.
 
-    Always cleans up: the job's log folder (torchrun's logs, the result file) is removed, and on time-out or
-    interruption its whole process group is stopped (``procs.run_process_group``); a time-out raises a
-    TimeoutError naming the launcher, the rank count and the module. A non-zero exit raises JobFailed, with
-    stderr's end; with ``check=False`` it returns instead when the job wrote a result (a check that failed on
-    some rank, reported, and the exit code says so). ``show_output``: the job's output goes to this process's
-    stdout and stderr as it comes (a command-line tool) instead of into ``JobResult``."""
+    Always cleans up: the job's log folder (torchrun's logs, OpenMPI's session folder, the result file) is
+    removed, and on time-out or interruption its whole process group is stopped (``procs.run_process_group``);
+    a time-out raises a TimeoutError naming the launcher, the rank count and the module. A non-zero exit raises
+    JobFailed, with stderr's end; with ``check=False`` it returns instead when the job wrote a result (a check that
+    failed on some rank, reported, and the exit code says so). ``show_output``: the job's output goes to this
+    process's stdout and stderr as it comes (a command-line tool) instead of into ``JobResult``."""
     import torch  # here, not at the top: see init_distributed
 
     program = [str(module)] if isinstance(module, os.PathLike) or str(module).endswith(".py") else ["-m", module]
@@ -248,7 +249,8 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
-        job_env = job_environment(**(mpi_environment() | threads | hidden | dict(env or {})))
+        session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
+        job_env = job_environment(**(mpi_environment() | session | threads | hidden | dict(env or {})))
         job_env[RESULT_FILE] = str(result_file)
         t0 = time.perf_counter()
         proc = procs.run_process_group(cmd, job_env, timeout_s, what, capture=not show_output)

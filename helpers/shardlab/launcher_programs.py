@@ -87,6 +87,12 @@ def mpi_environment() -> dict[str, str]:
     return env
 
 
+def mpi_session_environment(folder: str | os.PathLike) -> dict[str, str]:
+    """OpenMPI's session folder (``ompi.<pid>``: PMIx sockets, per-rank files) inside ``folder``, one its owner
+    removes, instead of the temp folder, where an mpiexec that is killed leaves it behind."""
+    return {"PRTE_MCA_prte_tmpdir_base": str(folder)}
+
+
 def mpi_arguments(n: int) -> list[str]:
     """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
     args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
