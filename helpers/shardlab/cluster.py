@@ -14,6 +14,8 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
 - ``SHARDLAB_RANKS``: how many engines;
 - ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
+How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s. This module keeps
+the cluster's life: settings, start (controller, engines, ranks initialised), stop and restart.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
