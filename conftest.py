@@ -21,14 +21,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from shardlab import procs
+
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
-# share their controller's. Set before shardlab is imported, so that shardlab.procs reads it.
+# share their controller's. shardlab.procs reads it whenever it is asked.
 if not os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["SHARDLAB_ORIGIN"] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-from shardlab import procs  # noqa: E402
-
-SESSION_ORIGIN = os.environ["SHARDLAB_ORIGIN"]
+    os.environ[procs.ORIGIN] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+SESSION_ORIGIN = os.environ[procs.ORIGIN]
 collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/test_negative_notebooks.py runs them
 CATEGORIES = ("unit", "multirank", "notebook", "browser", "bench", "gpu")
 LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
@@ -85,7 +84,6 @@ def no_leftovers(request, monkeypatch):
     side by side (pytest -n 2) never count each other's processes."""
     mine = f"{os.environ[procs.ORIGIN]}/{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv(procs.ORIGIN, mine)
-    monkeypatch.setattr(procs, "_ORIGIN", mine)
     yield
     left = wait_for_no_leftovers(of_origin=mine)
     assert not left, f"processes left behind by {request.node.nodeid}: {_describe(left)}"

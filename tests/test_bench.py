@@ -1,5 +1,5 @@
-"""The performance report runs end to end and its rows hang together (timings are reported, never asserted
-against a number: these machines are noisy)."""
+"""The performance report runs end to end and its rows are measured where they say (timings are reported, never
+asserted against a number: these machines are noisy; rows computed from other rows are not re-checked)."""
 
 import json
 import subprocess
@@ -20,16 +20,15 @@ def test_bench_compares_like_with_like_and_accounts_for_its_phases(tmp_path, no_
     assert "CPU cores" in report["machine"] and "measurement" in proc.stdout
     rows = {r["measurement"]: r["value"] for r in report["rows"]}
     script = rows["mpiexec -n 2 script: launch + DistributedManager + ShardTensor ops"]
-    start = rows["cluster start, 2 ranks, same work + controller + engines"]
-    assert rows["cluster start / mpiexec script (same per-rank work)"] == pytest.approx(start / script)
-    # The phases are parts of their totals: no phase is missing, none counted twice.
+    # Each total is broken down into the phases the series names, measured where they happen.
     script_phases = [v for k, v in rows.items() if k.startswith("  of which, slowest rank:")]
-    cluster_phases = [v for k, v in rows.items() if k.startswith("  of which:")]
+    cluster_phases = [k for k in rows if k.startswith("  of which:")]
     rank_phases = [v for k, v in rows.items() if k.startswith("    in DistributedManager ready")]
-    assert len(script_phases) == len(rank_phases) == 3 and len(cluster_phases) == 2
-    assert sum(cluster_phases) == pytest.approx(start)
-    assert max(script_phases) <= script and max(rank_phases) <= cluster_phases[1]  # the slowest rank's steps
-    steps_px = rows["5 DDP steps in %%px cells (cluster already up)"]
-    steps_script = rows["5 DDP steps as a torchrun script"]
-    assert rows["%%px / torchrun, same 5 steps"] == pytest.approx(steps_px / steps_script)
+    assert len(script_phases) == len(rank_phases) == 3
+    assert cluster_phases == ["  of which: engines registered", "  of which: DistributedManager ready"]
+    # The ranks' own clocks run inside the job's wall time: a rank's phase cannot outlast the job it ran in.
+    assert max(script_phases) <= script
+    assert max(rank_phases) <= rows["  of which: DistributedManager ready"]
+    end_to_end = rows["torchrun script end to end (start, init, warm-up, 5 steps)"]
+    assert rows["5 DDP steps as a torchrun script"] <= end_to_end
     assert all(value > 0 for value in rows.values())

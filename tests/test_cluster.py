@@ -2,7 +2,6 @@
 
 import json
 import os
-import stat
 from pathlib import Path
 
 import psutil
@@ -11,7 +10,8 @@ import torch
 
 import shardlab as sl
 from shardlab import cluster as cl
-from shardlab import launch
+from shardlab import engines, launch
+from shardlab import launcher_programs as programs
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -40,61 +40,82 @@ def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
     assert cl.MPICluster().n == expected
 
 
-def test_bad_shardlab_ranks_says_what_to_set(monkeypatch):
-    monkeypatch.setenv("SHARDLAB_RANKS", "four")
-    with pytest.raises(cl.ClusterError, match=r"SHARDLAB_RANKS='four' is not a whole number"):
-        cl.default_engine_count()
+@pytest.mark.parametrize("value", ["four", "0", "-2"])
+def test_bad_shardlab_ranks_names_the_variable_and_its_value(monkeypatch, value):
+    monkeypatch.setenv("SHARDLAB_RANKS", value)
+    with pytest.raises(cl.ClusterError, match=rf"SHARDLAB_RANKS='{value}' is not a whole number of ranks, at least 1"):
+        cl.MPICluster()
+
+
+def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and_the_override(monkeypatch):
+    monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
+    cores = os.cpu_count() or 1
+    too_many = 4 * cores + 1
+    with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on {cores} CPU core\(s\) is .* more than the 4 this "
+                                         rf"series starts \({4 * cores} ranks here\).*SHARDLAB_MAX_RANKS_PER_CORE=5"):
+        cl.MPICluster(n=too_many, device="cpu")
+    cl.MPICluster(n=4 * cores, device="cpu")  # at the limit: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "5")
+    assert cl.MPICluster(n=too_many, device="cpu").n == too_many  # asked for: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "many")
+    with pytest.raises(ValueError, match=r"SHARDLAB_MAX_RANKS_PER_CORE='many' is not a number"):
+        cl.MPICluster(n=2, device="cpu")
+
+
+class _Answer:
+    """An ipyparallel result, answered by every rank or by none yet."""
+
+    def __init__(self, value, ranks: int):
+        self.value, self.ranks = value, ranks
+
+    def wait(self, timeout):
+        return self.value is not None
+
+    def split(self):
+        return [self] * self.ranks
+
+    def ready(self):
+        return self.value is not None
+
+    def get(self):
+        return self.value
+
+
+class _SlowRanks:
+    """A view whose ranks report their launcher rank, then never finish initialising."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def apply_async(self, function, *args):
+        if function is launch.detect_launch:
+            return _Answer([launch.LaunchInfo("openmpi", r, r, self.ranks, "", "", "OPENMPI")
+                            for r in range(self.ranks)], self.ranks)
+        return _Answer(None, self.ranks)
+
+
+def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
+    cores = os.cpu_count() or 1
+    ranks = cores + 1
+    slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
+    with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
+        cl.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
+    assert "collective" not in str(slow.value)
+    with pytest.raises(cl.ClusterError, match=r"within 60 s\. If they wait in a collective"):
+        cl.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
 
 
 def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert "CUDA_VISIBLE_DEVICES" not in cl.engine_environment("cuda")  # inherited: engines use GPUs 4-7
-    assert cl.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
-    assert cl.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
-
-
-class _Answers:
-    """An ipyparallel result whose ranks are given: what _check_ranks reads."""
-
-    def __init__(self, ranks):
-        self.ranks = ranks
-
-    def wait(self, timeout):
-        return True
-
-    def get(self):
-        return [launch.LaunchInfo("openmpi", r, r, 2, "", "", "OPENMPI") for r in self.ranks]
-
-
-class _Client:
-    ids = [0, 1]
-
-    def __init__(self, ranks):
-        self.ranks = ranks
-
-    def __getitem__(self, key):
-        return type("View", (), {"apply_async": lambda view, fn: _Answers(self.ranks), "targets": [0, 1]})()
+    assert "CUDA_VISIBLE_DEVICES" not in engines.engine_environment("cuda")  # inherited: engines use GPUs 4-7
+    assert engines.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert engines.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
 
 
 def test_engine_ids_that_are_not_ranks_are_refused():
-    cluster = cl.MPICluster(n=2, device="cpu")
-    cluster.client = _Client([0, 1])
-    cluster._check_ranks()  # ids equal ranks: accepted
-    cluster.client = _Client([1, 0])
+    cl.check_engine_ids([0, 1], [0, 1])  # ids equal ranks: accepted
     with pytest.raises(cl.ClusterError, match=r"engine ids \[0, 1\] do not match launcher ranks \[1, 0\]"):
-        cluster._check_ranks()
-
-
-@pytest.mark.multirank
-def test_engines_that_never_start_are_reported_with_what_mpiexec_said(monkeypatch, tmp_path, no_leftovers):
-    broken = tmp_path / "mpiexec"
-    broken.write_text("#!/bin/sh\necho 'mpiexec: no slots left on this node' >&2\nexit 3\n")
-    broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(launch, "find_mpiexec", lambda flavour="openmpi": str(broken))
-    cluster = cl.MPICluster(n=2, device="cpu", start_timeout_s=60)
-    with pytest.raises(cl.ClusterError, match=r"only 0 of 2 engines registered(.|\n)*no slots left on this node"):
-        cluster.start()
-    assert not cluster.alive_processes()
+        cl.check_engine_ids([0, 1], [1, 0])
 
 
 @pytest.mark.multirank
@@ -108,8 +129,12 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
         # Engines take their ids from the launcher's rank, without importing an MPI library of their own.
         cluster.view.execute("no_mpi4py = 'mpi4py' not in sys.modules")
         assert cluster.view.pull("no_mpi4py") == [True, True]
+        # OpenMPI's session folder is in the profile, removed at stop, not in the temp folder (where a killed
+        # mpiexec would leave it).
+        cluster.view.execute("import os; session = os.environ['PMIX_SERVER_TMPDIR']")
+        assert {Path(session).parent for session in cluster.view.pull("session")} == {Path(cluster.profile_dir)}
         # Connection files hold the CurveZMQ keys: owner-only, inside an owner-only profile folder.
-        profile = Path(cluster._record.profile_dir)
+        profile = Path(cluster.profile_dir)
         assert profile.stat().st_mode & 0o077 == 0
         connection_files = list((profile / "security").glob("ipcontroller-*.json"))
         assert connection_files
@@ -118,13 +143,13 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
             assert json.loads(path.read_text()).get("curve_serverkey"), "CurveZMQ is off"
             assert json.loads(path.read_text())["interface"] == "tcp://127.0.0.1"
         # And the controller really listens on loopback only, whatever its files say.
-        controller = psutil.Process(cluster._cluster.controller.process.pid)
+        controller = psutil.Process(next(row["pid"] for row in cluster.memory() if row["process"] == "controller"))
         listening = [c.laddr.ip for p in [controller, *controller.children(recursive=True)]
                      for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
         assert listening and set(listening) == {"127.0.0.1"}, listening
         assert cluster.alive_processes()
     assert not cluster.alive_processes()
-    assert not profile.exists() and not cluster._record.path.exists()
+    assert not profile.exists() and not (sl.procs.registry() / f"{cluster.cluster_id}.json").exists()
 
 
 # -- who starts the engines: arguments, else the environment (so notebooks run unchanged) --------------------
@@ -178,41 +203,74 @@ def test_bad_mpi_argument_says_what_to_use():
         cl.MPICluster(n=2, mpi="intel")
 
 
-def _launcher(cluster, profile, monkeypatch):
-    """The engine launcher ipyparallel would build for this cluster, configured as start() does, not started."""
-    import ipyparallel as ipp
-
-    ipp_cluster = ipp.Cluster(engines=cluster._engine_launcher(), n=cluster.n, cluster_id=cluster.cluster_id,
-                              profile_dir=str(profile))
-    cluster._configure_engines(ipp_cluster.config, str(profile), cl.engine_environment("cpu"))
-    return ipp_cluster.engine_launcher_class(work_dir=".", parent=ipp_cluster, profile_dir=str(profile),
-                                             cluster_id=cluster.cluster_id)
+def _engine_set(launcher, profile):
+    """The engine set ipyparallel builds from ``launcher`` when a cluster starts it, built here and not started."""
+    return launcher.engine_set_class(work_dir=".", profile_dir=str(profile), cluster_id="shardlab-test",
+                                     **launcher.engine_set_options(str(profile)))
 
 
-def test_outside_an_allocation_slurm_engines_are_one_sbatch_job_in_the_profile(no_cluster_variables, tmp_path):
-    cluster = cl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*",
-                            slurm_args=["--partition=gpu", "--time=02:00:00"])
-    launcher = _launcher(cluster, tmp_path, no_cluster_variables)
-    launcher.write_batch_script(4)
-    script = Path(launcher.batch_file).read_text()
-    assert Path(launcher.batch_file).parent == tmp_path  # in the profile, not in the notebook's folder
-    assert f"#SBATCH --job-name={cluster.job_name}\n#SBATCH --ntasks=4\n" in script
+def test_mpiexec_engines_run_this_environments_mpiexec_with_its_helpers_on_path(tmp_path):
+    launcher = engines.MpiexecEngines(4, engines.engine_environment("cpu"))
+    assert (launcher.name, launcher.started_by, launcher.expected_method) == ("openmpi", "mpiexec", "openmpi")
+    command = launcher.command()
+    assert command[0] == programs.find_mpiexec() and command[1:3] == ["--bind-to", "none"]
+    assert ("--oversubscribe" in command) == (4 > (os.cpu_count() or 1)) and launcher.jobs() == []
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.n = 4
+    args = engine_set.find_args()
+    assert args[:3] == [command[0], "-n", "4"] and "--mpi" not in args  # ids come from ENGINE_CONFIG, not mpi4py
+    assert engine_set.get_env()["PATH"].startswith(str(Path(command[0]).parent) + os.pathsep)
+    assert engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == "" and engine_set.get_env()["SHARDLAB_ORIGIN"]
+
+
+def test_mpich_engines_are_reported_as_the_env_method(monkeypatch, tmp_path):
+    hydra = tmp_path / "mpiexec.mpich"
+    hydra.write_text("#!/bin/sh\n")
+    hydra.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    launcher = engines.MpiexecEngines(2, {}, mpi="mpich")
+    assert (launcher.started_by, launcher.expected_method) == ("mpiexec (MPICH)", "env")
+    assert launcher.command() == [str(hydra)]  # hydra neither pins ranks nor needs --oversubscribe
+
+
+def test_sbatch_engines_are_one_job_whose_script_is_in_the_profile(tmp_path):
+    launcher = engines.SbatchEngines(4, engines.engine_environment("cpu"), "ipengine-test",
+                                     ["--partition=gpu", "--time=02:00:00"])
+    assert (launcher.name, launcher.expected_method, launcher.on_other_nodes) == ("slurm", "slurm", True)
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.write_batch_script(4)
+    script = Path(engine_set.batch_file).read_text()
+    assert Path(engine_set.batch_file).parent == tmp_path  # in the profile, not in the notebook's folder
+    assert "#SBATCH --job-name=ipengine-test\n#SBATCH --ntasks=4\n" in script
     assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script
     assert "\nsrun --kill-on-bad-exit=1 " in script and "ipengine" in script and "--mpi" not in script
-    assert launcher.get_env()["SHARDLAB_ORIGIN"] and launcher.get_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert engine_set.get_env()["SHARDLAB_ORIGIN"] and engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert not launcher.exited()  # sbatch returns once the job is queued: that says nothing about the engines
 
 
-def test_inside_an_allocation_srun_starts_the_engines_as_a_step(no_cluster_variables, tmp_path):
+def test_srun_step_engines_are_a_step_of_this_allocation(monkeypatch, tmp_path):
     fake = tmp_path / "bin" / "srun"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
-    no_cluster_variables.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    no_cluster_variables.setenv("SLURM_JOB_ID", "42")
-    cluster = cl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*")
-    launcher = _launcher(cluster, tmp_path, no_cluster_variables)
-    launcher.n = 4
-    assert isinstance(launcher, cl.RankEngineSetLauncher)
-    args = launcher.find_args()
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    launcher = engines.SrunStepEngines(4, {}, ["--gpus-per-task=1"])
+    assert launcher.command() == [str(fake), "--kill-on-bad-exit=1", "--gpus-per-task=1"]
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.n = 4
+    assert isinstance(engine_set, engines.RankEngineSetLauncher)
+    args = engine_set.find_args()
     assert args[:4] == [str(fake), "-n", "4", "--kill-on-bad-exit=1"] and "--mpi" not in args
 
+
+def test_the_cluster_picks_the_launcher_for_where_it_runs(no_cluster_variables, tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    no_cluster_variables.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    slurm = {"engines": "slurm", "controller_ip": "*", "n": 2, "device": "cpu"}
+    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SbatchEngines  # outside an allocation
+    no_cluster_variables.setenv("SLURM_JOB_ID", "42")
+    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SrunStepEngines
+    assert type(cl.MPICluster(n=2, device="cpu").engine_launcher) is engines.MpiexecEngines

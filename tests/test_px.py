@@ -1,0 +1,51 @@
+"""%%px wiring: reading a failed cell's errors per rank and summarising them, on hand-made inputs. The live cell
+deadline and summary: tests/test_faults.py and notebook 08."""
+
+from types import SimpleNamespace
+
+from shardlab.px import rank_errors, summarize_rank_errors
+
+GLOO_TIMEOUT = (
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+    "Timed out waiting 8000ms for recv operation to complete"
+)
+
+
+def test_one_line_per_failing_rank():
+    lines = summarize_rank_errors([(2, "ValueError", "bad shape\nmore detail"), (0, "KeyError", "'x'")], [0, 1, 2])
+    assert lines == ["rank 0: KeyError: 'x'", "rank 2: ValueError: bad shape"]
+
+
+def test_names_the_ranks_that_never_arrived():
+    # Rank 1 raised before the collective, so ranks 0 and 2 waited for it until the timeout.
+    errors = [(0, "DistBackendError", GLOO_TIMEOUT), (1, "ValueError", "bad shape"),
+              (2, "DistBackendError", GLOO_TIMEOUT)]
+    lines = summarize_rank_errors(errors, [0, 1, 2, 3])
+    assert [line.split(":")[0] for line in lines[:3]] == ["rank 0", "rank 1", "rank 2"]
+    assert lines[3].startswith("rank(s) [0, 2] timed out")
+    assert "waiting for rank(s) [1, 3]" in lines[3] and "never entered it" in lines[3]
+
+
+def test_every_rank_timed_out():
+    lines = summarize_rank_errors([(r, "DistBackendError", GLOO_TIMEOUT) for r in (0, 1)], [0, 1])
+    assert lines[-1].startswith("every rank [0, 1] timed out")
+    assert not any("never entered" in line for line in lines)
+
+
+def test_no_timeout_no_extra_line():
+    assert len(summarize_rank_errors([(0, "RuntimeError", "")], [0, 1])) == 1
+
+
+def test_whitespace_only_message():
+    assert summarize_rank_errors([(0, "RuntimeError", "\n")], [0]) == ["rank 0: RuntimeError: "]
+
+
+def test_dead_engine_error_is_attributed_to_its_rank():
+    dead = SimpleNamespace(elist=[("EngineError", "Engine 1 died while running task 'abc'", "", {})])
+    assert rank_errors(dead) == [(1, "EngineError", "Engine 1 died while running task 'abc'")]
+
+
+def test_gloo_source_prefix_is_dropped():
+    message = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
+    expected = "rank 0: RuntimeError: Timed out waiting 10000ms"
+    assert summarize_rank_errors([(0, "RuntimeError", message)], [0])[0] == expected
