@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..launch import detect_launch, shutdown_distributed
+from ..launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
 from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
@@ -118,7 +118,9 @@ def _measure_main(args) -> int:
     import torch.distributed as dist
 
     measurement = measure_cases(cases or series_cases(int(os.environ.get("WORLD_SIZE", "1"))), args.timeout)
-    if dist.get_rank() == 0 and args.json:
-        Path(args.json).write_text(json.dumps(measurement, indent=1))
+    if dist.get_rank() == 0:
+        write_job_result(measurement)
+        if args.json:
+            Path(args.json).write_text(json.dumps(measurement, indent=1))
     shutdown_distributed()
     return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import subprocess
 import tempfile
 import weakref
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..launch import clean_environment, init_distributed, torchrun_command
+from ..launch import init_distributed, run_job
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
 from .inputs import fmt_bytes
@@ -221,16 +220,12 @@ def comparison_table(measurement: dict) -> list[dict]:
 
 
 def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0) -> dict:
-    """Start ``n`` ranks (torchrun) that measure ``cases`` (default: ``series_cases(n)``); their measurement."""
+    """Start ``n`` ranks (torchrun, through ``launch.run_job``) that measure ``cases`` (default:
+    ``series_cases(n)``); their measurement, from rank 0."""
     with tempfile.TemporaryDirectory(prefix="shardlab-plan-") as tmp:
-        out, spec = Path(tmp) / "measured.json", Path(tmp) / "cases.json"
+        spec = Path(tmp) / "cases.json"
         spec.write_text(json.dumps(cases or series_cases(n)))
-        cmd = torchrun_command(n, "-m", "shardlab.plan", "--measure", "--cases", str(spec), "--json", str(out))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env=clean_environment(OMP_NUM_THREADS="1"))
-        if proc.returncode:
-            raise RuntimeError(f"the {n} measuring ranks failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-        return json.loads(out.read_text())
+        return run_job("torchrun", n, "shardlab.plan", ["--measure", "--cases", str(spec)], timeout_s=timeout_s).result
 
 
 def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
