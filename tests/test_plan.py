@@ -108,7 +108,7 @@ def test_planning_time_does_not_grow_with_the_rank_count_or_the_field(monkeypatc
           f"({calls['trace_rank']} traces), this machine")
     # The bisection agrees with a scan of every domain size.
     small = plan.Planner(plan.conv_model(2, width=32), plan.parse_field("96x96"))
-    capacity = small.largest(2, 5).total + plan.planner.headroom(small.largest(2, 5).total, 10)
+    capacity = small.largest(2, 5).total + plan.headroom(small.largest(2, 5).total, 10)
     scanned = next(n for n in small.valid_domains() if small.fits(capacity, 2, n))
     assert small.smallest_domain(capacity, ddp=2) == scanned and 1 < scanned <= 5
 

@@ -31,8 +31,9 @@ autograd says what it keeps:
 ``total`` = the sum of the categories, at least the replayed peak: what each GPU must hold. What it cannot know
 is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as headroom.
 
-Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``planner`` (the
-plan and its verdict), ``live`` (measured on ranks, compared), ``cli`` (``python -m shardlab.plan``).
+Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``records`` (what a
+plan says: ``RankBytes``, ``Plan``, the headroom), ``planner`` (the planner and its verdict), ``live`` (measured on
+ranks, compared), ``cli`` (``python -m shardlab.plan``).
 """
 
 from .cli import main
@@ -47,21 +48,11 @@ from .live import (
     predict_case,
     series_cases,
 )
-from .planner import (
-    ACCOUNTED,
-    BUFFERS,
-    CATEGORIES,
-    LEFT_OUT,
-    Plan,
-    Planner,
-    RankBytes,
-    Verdict,
-    plan,
-    verdict,
-)
+from .planner import Planner, Verdict, plan, verdict
+from .records import ACCOUNTED, BUFFERS, CATEGORIES, LEFT_OUT, Plan, RankBytes, headroom
 from .trace import conv_halo
 
 __all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "OPTIMIZERS", "GiB", "MiB", "Plan",
            "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model", "fmt_bytes",
-           "gpu_check", "main", "measure_cases", "measure_on_ranks", "measure_rank", "parse_field", "parse_size",
-           "plan", "predict_case", "series_cases", "verdict"]
+           "gpu_check", "headroom", "main", "measure_cases", "measure_on_ranks", "measure_rank", "parse_field",
+           "parse_size", "plan", "predict_case", "series_cases", "verdict"]

@@ -14,7 +14,8 @@ from ..report import Table
 from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import comparison_table, measure_cases, measure_on_ranks, series_cases
-from .planner import LEFT_OUT, Plan, Planner, Verdict, verdict
+from .planner import Planner, Verdict, verdict
+from .records import LEFT_OUT, Plan
 
 
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:

@@ -18,7 +18,8 @@ from ..launch import init_distributed, run_job
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
 from .inputs import fmt_bytes
-from .planner import ACCOUNTED, Plan, RankBytes, plan
+from .planner import plan
+from .records import ACCOUNTED, Plan, RankBytes
 from .trace import nbytes
 
 # PhysicsNeMo and the measure layer are imported inside the functions that measure on ranks: planning runs in the

@@ -1,0 +1,144 @@
+"""What a plan says: the categories, one rank's bytes (``RankBytes``), a layout's plan (``Plan``) and the headroom
+kept for what the meta device cannot see (``LEFT_OUT``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from ..report import Table
+from .inputs import GiB, fmt_bytes
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
+ACCOUNTED = ("params", "grads", "optimizer", "activations", "transient", "buffers")  # what CPU ranks measure exactly
+# What "buffers" holds, per wrapper. FSDP2 keeps two units' all-gathers at once: it prefetches the next unit's in
+# backward by default, and in forward keeps the previous unit's flat output until the next copy-out.
+BUFFERS = {"none": "buffers", "ddp": "DDP buckets", "fsdp2": "FSDP2 gathered, 2 units"}
+
+# What the planner cannot see on the meta device, with what it typically adds on a GPU and where that comes from.
+# ``bytes`` / ``fraction`` is the headroom the verdict keeps for it.
+LEFT_OUT = (
+    {"what": "CUDA context (driver state, loaded kernels, cuDNN/cuBLAS handles)", "bytes": GiB // 2,
+     "typical": "0.3-0.8 GiB per process, outside torch.cuda.memory_allocated",
+     "source": "https://github.com/pytorch/pytorch/issues/34323 (nvidia-smi showed 781 MB for a process holding "
+               "almost no tensors); lazy module loading (CUDA_MODULE_LOADING=LAZY) keeps it nearer the low end"},
+    {"what": "NCCL communicator buffers (one communicator per process group: the world, ddp, domain)",
+     "bytes": GiB // 2, "multi_rank_only": True,
+     "typical": "NCCL_BUFFSIZE = 4 MiB per channel and peer by default: tens to hundreds of MiB per communicator",
+     "source": "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize; invisible to "
+               "PyTorch's allocator: https://docs.pytorch.org/docs/stable/torch_cuda_memory.html"},
+    {"what": "allocator fragmentation and caching (memory_reserved - memory_allocated)", "fraction": 0.10,
+     "typical": "about 10 % of the allocated peak: torch's own FSDPMemTracker is tested to +-10 % of the "
+                "allocator's peak; large blocks round up to 2 MiB and blocks in different segments never merge",
+     "source": "https://github.com/pytorch/pytorch/blob/main/test/distributed/_tools/test_fsdp2_mem_tracker.py; "
+               "https://github.com/pytorch/devlogs/blob/main/content/eager/2026-06-01-cuda-caching-allocator.md"},
+    {"what": "cuDNN convolution and cuBLAS workspaces", "bytes": 0,
+     "typical": "cuBLAS(Lt): 32 MiB per handle on Hopper, 4 MiB before; cuDNN: algorithm-dependent scratch inside "
+                "the allocator's peak (covered by the 10 % above; `make gpu-check` measures it)",
+     "source": "https://github.com/pytorch/pytorch/pull/120925"},
+)
+
+
+def headroom(need: int, world_size: int) -> int:
+    """Bytes kept free beside ``need`` for what the planner cannot see (``LEFT_OUT``) on a job of ``world_size``."""
+    extra = 0
+    for item in LEFT_OUT:
+        if item.get("multi_rank_only") and world_size == 1:
+            continue
+        extra += item.get("bytes", 0) + item.get("fraction", 0.0) * need
+    return int(extra)
+
+
+@dataclass
+class RankBytes:
+    """One rank's bytes by category: predicted by the planner, or measured on the rank (``measure_rank``)."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    halos: int  # the part of the activations that are rows beyond the rank's own
+    transient: int
+    buffers: int
+    temporaries: int = 0  # predicted: the rest of the step's peak
+    peak: int | None = None  # predicted: the replayed step's peak; measured: the CUDA allocator's (None on CPU)
+    rows: int | None = None  # rows of the sharded dim this rank holds
+
+    @property
+    def accounted(self) -> int:
+        return sum(getattr(self, c) for c in ACCOUNTED)
+
+    @property
+    def total(self) -> int:
+        return self.accounted + self.temporaries
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"accounted": self.accounted, "total": self.total}
+
+    @classmethod
+    def from_dict(cls, row: dict) -> RankBytes:
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+
+@dataclass
+class Plan:
+    """Predicted bytes per rank for one layout; ``rows[r]`` is rank r (``rank = ddp index × domain + domain index``,
+    the order of ``initialize_mesh((ddp, domain), ...)``)."""
+
+    rows: list[RankBytes]
+    field_shape: tuple
+    dtype: str
+    ddp: int
+    domain: int
+    wrapper: str
+    optimizer: str
+    model: str = "model"
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.ddp * self.domain
+
+    def largest(self) -> RankBytes:
+        """The rank that needs the most: the one that decides whether the layout fits."""
+        return max(self.rows, key=lambda r: (r.total, -r.rank))
+
+    def headroom(self, need: int | None = None) -> int:
+        """Bytes kept free for what the planner cannot see (``LEFT_OUT``), for this layout."""
+        return headroom(self.largest().total if need is None else need, self.world_size)
+
+    def groups(self) -> list[tuple[str, RankBytes]]:
+        """Ranks with the same bytes merged: (label such as "ranks 0-7", one of their rows), in rank order."""
+        keys = (*CATEGORIES, "halos")
+        out: list[tuple[list[int], RankBytes]] = []
+        for row in self.rows:
+            if out and all(getattr(out[-1][1], k) == getattr(row, k) for k in keys):
+                out[-1][0].append(row.rank)
+            else:
+                out.append(([row.rank], row))
+        return [(f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}", row) for r, row in out]
+
+    def bars(self) -> dict[str, dict[str, int]]:
+        """Stacked categories per group of equal ranks, for ``sl.plot.memory_bars`` (own rows and halos apart)."""
+        return {label: {"params": r.params, "grads": r.grads, "optimizer": r.optimizer,
+                        "activations": r.activations - r.halos, "halos": r.halos, "transient": r.transient,
+                        BUFFERS[self.wrapper]: r.buffers, "temporaries": r.temporaries}
+                for label, r in self.groups()}
+
+    def table(self) -> Table:
+        """Per group of equal ranks, in readable units."""
+        columns = [*CATEGORIES[:4], "halos", *CATEGORIES[4:], "total"]
+        names = [BUFFERS[self.wrapper] if c == "buffers" else c for c in columns]
+        return Table([{"ranks": label.removeprefix("ranks ").removeprefix("rank ")}
+                      | {name: fmt_bytes(getattr(row, c)) for name, c in zip(names, columns)}
+                      for label, row in self.groups()], ["ranks", *names])
+
+    def as_json(self, capacity: int | None = None) -> dict:
+        out = {"model": self.model, "field": list(self.field_shape), "dtype": self.dtype,
+               "mesh": {"ddp": self.ddp, "domain": self.domain}, "wrapper": self.wrapper, "optimizer": self.optimizer,
+               "rows": [r.as_dict() for r in self.rows], "left_out": [dict(item) for item in LEFT_OUT],
+               "notes": list(self.notes)}
+        if capacity is not None:
+            out["gpu_bytes"] = capacity
+        return out
