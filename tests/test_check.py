@@ -141,7 +141,7 @@ def test_watch_records_collectives_with_their_group_and_the_bytes_sent():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with check.Watch() as watch:
+        with check.Watch(ranks_asked=dist.get_process_group_ranks) as watch:
             t = torch.ones(3)
             dist.all_reduce(t)
             dist.broadcast(torch.ones(5), src=0)
@@ -150,6 +150,7 @@ def test_watch_records_collectives_with_their_group_and_the_bytes_sent():
         assert [(e.name, e.ranks, e.bytes) for e in watch.collectives()] == [
             ("all_reduce", (0,), 12), ("broadcast", (0,), 20), ("all_gather", (0,), 16)]  # the input, not the output
         assert watch.collectives("broadcast", ranks=[0]) and not watch.collectives("broadcast", ranks=[0, 1])
+        assert not watch.calls("ranks_asked")  # the recorder asks for the groups' ranks; the watched code did not
     finally:
         dist.destroy_process_group()
 

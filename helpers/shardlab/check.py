@@ -186,14 +186,28 @@ def _group_of(args: list):
     return None
 
 
-def _collective_recorder(events: list):
-    """A dispatch mode that appends an Event for every collective run inside it, whoever calls it (the learner or
-    a library), with its group's global ranks and the bytes handed to it. Modes see every c10d op, including
-    those of ShardTensor's handlers (``CommDebugMode`` does not run on ShardTensor convolutions)."""
+def _collective_event(name: str, args, kwargs) -> Event:
+    """The Event of one c10d op: its primitive, its group's global ranks, the bytes this rank hands to it."""
     import torch
     import torch.distributed as dist
     from torch.utils._pytree import tree_flatten
 
+    flat = tree_flatten((args, kwargs))[0]
+    group = _group_of(flat)
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+    sent = tree_flatten((args[1:], kwargs) if name in _OUTPUT_FIRST else (args, kwargs))[0]
+    size = sum(t.numel() * t.element_size() for t in sent if isinstance(t, torch.Tensor))
+    peer = None
+    if _PRIMITIVES[name] in ("send", "recv") and group is not None:  # the peer is a rank of the group
+        local = next((a for a in flat if isinstance(a, int) and not isinstance(a, bool)), None)
+        peer = ranks[local] if local is not None and 0 <= local < len(ranks) else None
+    return Event("collective", _PRIMITIVES[name], ranks, size, peer)
+
+
+def _collective_recorder(events: list):
+    """A dispatch mode that appends an Event for every collective run inside it, whoever calls it (the learner or
+    a library). Modes see every c10d op, including those of ShardTensor's handlers (``CommDebugMode`` does not run
+    on ShardTensor convolutions)."""
     from .measure import CollectiveBytes
 
     class Recorder(CollectiveBytes):
@@ -201,17 +215,12 @@ def _collective_recorder(events: list):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             name = str(func.overloadpacket).split(".")[-1]
             if func.namespace in self.NAMESPACES and name in _PRIMITIVES:
-                flat = tree_flatten((args, kwargs))[0]
-                group = _group_of(flat)
-                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-                sent = tree_flatten((args[1:], kwargs) if name in _OUTPUT_FIRST else (args, kwargs))[0]
-                tensors = [t for t in sent if isinstance(t, torch.Tensor)]
-                peer = None
-                if _PRIMITIVES[name] in ("send", "recv") and group is not None:
-                    local = next((a for a in flat if isinstance(a, int) and not isinstance(a, bool)), None)
-                    peer = ranks[local] if local is not None and 0 <= local < len(ranks) else None
-                events.append(Event("collective", _PRIMITIVES[name], ranks,
-                                    sum(t.numel() * t.element_size() for t in tensors), peer))
+                hook = sys.getprofile()
+                sys.setprofile(None)  # this bookkeeping is the recorder's own, not the watched code's
+                try:
+                    events.append(_collective_event(name, args, kwargs))
+                finally:
+                    sys.setprofile(hook)
             return out
 
     return Recorder()
