@@ -96,3 +96,73 @@ def test_launcher_environment_wrong_paths():
         check.launcher_environment(env | {"RANK": "x"}, "torchrun", 2, 4, 2)
     with pytest.raises(check.NotSolved, match="not answered yet"):
         check.launcher_environment(..., "torchrun", 2, 4, 2)
+
+
+# Watching the work: the recorder every judge uses.
+
+def _library_function(x):
+    return x + 1
+
+
+def _learner_answer(x):
+    alias = _library_function  # an alias does not hide the call: the code object is the same
+    return alias(x) * 2
+
+
+def test_watch_records_a_watched_function_through_an_alias_with_its_arguments():
+    with check.Watch(library=_library_function) as watch:
+        assert _learner_answer(3) == 8
+    assert [(e.name, e.arguments) for e in watch.calls()] == [("library", {"x": 3})]
+    assert watch.forbidden(library="which this exercise rebuilds") == "it called library, which this exercise rebuilds"
+    with check.Watch(library=_library_function) as watch:
+        assert 2 * (3 + 1) == 8  # the same result, without the library
+    assert watch.forbidden(library="which this exercise rebuilds") is None
+
+
+def test_watch_records_c_functions_and_patched_attributes_and_restores_them():
+    import torch
+
+    class Owner:
+        @staticmethod
+        def count():
+            return 7
+
+    with check.Watch(chunk=(torch.chunk, torch.Tensor.chunk), attributes={"count": (Owner, "count")},
+                     collectives=False) as watch:
+        torch.ones(4).chunk(2)
+        assert Owner.count() == 7
+    assert [e.name for e in watch.calls()] == ["chunk", "count"]
+    assert Owner.count.__name__ == "count" and check.sys.getprofile() is None  # all put back
+
+
+def test_watch_records_collectives_with_their_group_and_the_bytes_sent():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with check.Watch(ranks_asked=dist.get_process_group_ranks) as watch:
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            dist.broadcast(torch.ones(5), src=0)
+            out = torch.empty(4)
+            dist.all_gather_into_tensor(out, torch.ones(4))
+        assert [(e.name, e.ranks, e.bytes) for e in watch.collectives()] == [
+            ("all_reduce", (0,), 12), ("broadcast", (0,), 20), ("all_gather", (0,), 16)]  # the input, not the output
+        assert watch.collectives("broadcast", ranks=[0]) and not watch.collectives("broadcast", ranks=[0, 1])
+        assert not watch.calls("ranks_asked")  # the recorder asks for the groups' ranks; the watched code did not
+    finally:
+        dist.destroy_process_group()
+
+
+def test_earlier_object_names_an_object_or_storage_from_the_namespace_and_nothing_new():
+    import torch
+
+    namespace = {"x": torch.arange(6.0), "answer": (1, 2), "count": 3}
+    learner = eval("lambda: None", namespace)  # a function defined in that namespace, as in a notebook cell
+    said = "it returned {}, an object from earlier in the notebook"
+    assert check.earlier_object(namespace["x"], learner) == said.format("x")
+    assert check.earlier_object(namespace["x"][2:], learner) == said.format("x")  # a view shares the storage
+    assert check.earlier_object(namespace["answer"], learner) == said.format("answer")
+    assert check.earlier_object(3, learner) is None  # small constants are not objects from earlier
+    assert check.earlier_object(torch.arange(6.0), learner) is None

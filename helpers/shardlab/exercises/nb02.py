@@ -1,53 +1,138 @@
-"""Judges of ``notebooks/02_device_mesh.ipynb``: a ddp group worked out by rank arithmetic, and ddp groups built
-by hand with ``dist.new_group`` and used for a gradient-style average. Each judge reads what is right from the
-rank's own ``(ddp, domain)`` mesh."""
+"""Judges of ``notebooks/02_device_mesh.ipynb``: a rank's ddp group worked out by rank arithmetic, and ddp groups
+built by hand with ``dist.new_group`` and used for a gradient-style average.
+
+Both answers are functions: each judge calls them on layouts the notebook never built, and works out what is right
+by its own arithmetic (checked against the rank's ``(ddp, domain)`` mesh where the layout is the live one). The mesh's
+own groups are what both exercises rebuild, so asking the mesh for them during the call fails.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..check import Watch
+from ..launch import default_device
+
+# (rank, world size, domain size): layouts of other sizes than the notebook's, including domain groups of 1 and 3.
+ARITHMETIC_CASES = ((5, 12, 3), (6, 8, 2), (3, 6, 1), (4, 8, 4), (0, 9, 3))
+MESH_GROUPS = "the mesh's own groups, which this exercise builds by hand"
 
 
 def _axis_ranks(mesh, axis: str) -> list[int]:
     return dist.get_process_group_ranks(mesh[axis].get_group())
 
 
-def ddp_ranks(answer, mesh) -> str | None:
-    """On a rank: ``answer`` must list the ranks of this rank's ddp group, as the mesh has it."""
-    if not isinstance(answer, (list, tuple)) or not all(isinstance(r, int) for r in answer):
-        return f"answer is {answer!r}: set it to a sorted list of ranks (ints)"
-    if dist.get_rank() not in answer:
-        return f"{list(answer)} does not contain this rank: a rank is always in its own ddp group"
-    if list(answer) == _axis_ranks(mesh, "ddp"):
-        return None
-    if sorted(answer) == _axis_ranks(mesh, "domain"):
-        return (f"{list(answer)} is this rank's domain group (the ranks sharing one sample); the ddp group joins "
-                "the ranks at the same position of every domain group")
-    if len(answer) != mesh["ddp"].size():
-        return f"{list(answer)} has {len(answer)} ranks, but a ddp group has one rank per domain group"
-    return f"{list(answer)} is not this rank's ddp group (or is not sorted)"
+def _ddp_lists(world: int, domain_size: int) -> list[list[int]]:
+    return [list(range(offset, world, domain_size)) for offset in range(domain_size)]
 
 
-def hand_made_ddp_average(ddp_group, answer, mesh) -> str | None:
-    """On a rank: ``ddp_group`` must be a process group with the ranks of ``mesh["ddp"]``, and ``answer`` the
-    average over it of ``torch.full((3,), float(rank))``, on the mesh's device."""
-    if not isinstance(ddp_group, dist.ProcessGroup):
-        return f"ddp_group is a {type(ddp_group).__name__}: keep the process group dist.new_group returned"
-    got = dist.get_process_group_ranks(ddp_group)
-    expected = _axis_ranks(mesh, "ddp")
-    if got != expected:
-        if got == _axis_ranks(mesh, "domain"):
-            return f"ddp_group holds ranks {got}: that is this rank's domain group, not its ddp group"
-        return f"ddp_group holds ranks {got}, which are not the ranks of this rank's ddp group"
-    if not isinstance(answer, torch.Tensor):
-        return f"answer is a {type(answer).__name__}: keep the tensor you all-reduced"
-    if answer.device.type != mesh.device_type:
-        return f"answer lives on {answer.device}, but the mesh's ranks compute on {mesh.device_type}"
-    if tuple(answer.shape) != (3,):
-        return f"answer has shape {tuple(answer.shape)}: all-reduce torch.full((3,), float(rank)) itself"
-    mean = sum(expected) / len(expected)
-    if torch.allclose(answer.cpu(), torch.full((3,), float(sum(expected)))) and len(expected) > 1:
-        return "answer holds the sum over the group: DDP averages, so divide by the group's size"
-    if not torch.allclose(answer.cpu(), torch.full((3,), mean)):
-        return "answer is not the average of the group's rank numbers: all-reduce over ddp_group, then divide"
+def _watch_mesh_groups() -> Watch:
+    return Watch(get_group=DeviceMesh.get_group, init_device_mesh=init_device_mesh,
+                 get_process_group_ranks=dist.get_process_group_ranks, new_group=dist.new_group)
+
+
+def ddp_ranks(ddp_group_of, mesh) -> str | None:
+    """Exercise 1. Doing it means: from ``rank``, ``world`` and ``domain_size`` alone, list the ranks that share
+    ``rank``'s position in their domain group (consecutive ranks form the domain groups), sorted.
+
+    ``ddp_group_of(rank, world, domain_size)`` is called for this rank (compared with ``mesh["ddp"]``) and for
+    layouts of other sizes; asking the mesh or a process group for its ranks fails."""
+    if not callable(ddp_group_of):
+        return (f"ddp_group_of is a {type(ddp_group_of).__name__}: define a function ddp_group_of(rank, world, "
+                "domain_size) that returns a list")
+    me = (dist.get_rank(), dist.get_world_size(), mesh["domain"].size())
+    truth = _axis_ranks(mesh, "ddp")
+    with _watch_mesh_groups() as watch:
+        mine = ddp_group_of(*me)
+        others = [(case, ddp_group_of(*case)) for case in ARITHMETIC_CASES]
+    problem = watch.forbidden(get_group=MESH_GROUPS, get_process_group_ranks=MESH_GROUPS, init_device_mesh=MESH_GROUPS,
+                              new_group="but no group is needed: this is arithmetic on rank numbers")
+    if problem:
+        return problem
+    for (rank, world, domain_size), got in [(me, mine), *others]:
+        where = f"for rank {rank} of {world} with domain groups of {domain_size}"
+        if not isinstance(got, (list, tuple)) or not all(isinstance(r, int) for r in got):
+            return f"{where} it returned {got!r}: return a sorted list of ranks (ints)"
+        right = truth if (rank, world, domain_size) == me else _ddp_lists(world, domain_size)[rank % domain_size]
+        if list(got) == right:
+            continue
+        if (rank, world, domain_size) != me and list(got) == list(mine):
+            return (f"{where} it returned {list(got)}, the same as for this rank of the running notebook: work the "
+                    "group out from the arguments, not from this process or an earlier result")
+        start = rank - rank % domain_size
+        if sorted(got) == list(range(start, start + domain_size)):
+            return (f"{where} it returned {list(got)}, that rank's domain group (the ranks sharing one sample); "
+                    "the ddp group joins the ranks at the same position of every domain group")
+        return f"{where} it returned {list(got)}, which is not that rank's ddp group (or is not sorted)"
     return None
+
+
+def _tensor_of(rank: int, domain_size: int, device) -> torch.Tensor:
+    """The tensor rank ``rank`` averages for ``domain_size``: the judge can rebuild any rank's without asking it."""
+    generator = torch.Generator().manual_seed(1000 * domain_size + rank)
+    return torch.randn(5, generator=generator).to(device)
+
+
+def hand_made_ddp_average(ddp_average, mesh) -> str | None:
+    """Exercise 2. Doing it means: every rank creates every ddp group with ``dist.new_group`` (consecutive ranks form
+    domain groups of ``domain_size``), all-reduces the tensor it was given over its own ddp group, and divides by
+    the group's size.
+
+    ``ddp_average(t, domain_size)`` is called with a random tensor per rank, for this notebook's domain size and for
+    domain groups of 1. Observed: the groups ``new_group`` created, the all-reduce's group, the value; the mesh's
+    groups may not be used."""
+    if not callable(ddp_average):
+        return (f"ddp_average is a {type(ddp_average).__name__}: define a function ddp_average(t, domain_size) that "
+                "returns the averaged tensor")
+    rank, world, device = dist.get_rank(), dist.get_world_size(), default_device()
+    runs = []
+    for domain_size in sorted({mesh["domain"].size(), 1}, reverse=True):  # every call on every rank, then verdicts
+        with _watch_mesh_groups() as watch:
+            got = ddp_average(_tensor_of(rank, domain_size, device), domain_size)
+        runs.append((domain_size, got, watch))
+    for domain_size, got, watch in runs:
+        ddp_lists = _ddp_lists(world, domain_size)
+        mine = ddp_lists[rank % domain_size]
+        where = f"with domain groups of {domain_size}"
+        problem = watch.forbidden(get_group=MESH_GROUPS, init_device_mesh=MESH_GROUPS)
+        if problem:
+            return problem
+        created = [sorted(e.arguments.get("ranks") or range(world)) for e in watch.calls("new_group")]
+        if not created:
+            return (f"{where}, no process group was created during the call: create the ddp groups with "
+                    "dist.new_group there (a group made earlier in the notebook was made for another layout)")
+        missing = [g for g in ddp_lists if g not in created]
+        if missing:
+            domain_lists = [list(range(s, s + domain_size)) for s in range(0, world, domain_size)]
+            if any(g in created for g in domain_lists if len(g) > 1):
+                return (f"{where}, the groups created are the domain groups (the ranks sharing one sample), not the "
+                        "ddp groups")
+            return (f"{where}, the groups created do not include every ddp group, e.g. {missing[0]}: every rank "
+                    "creates every group, in the same order")
+        reductions = watch.collectives("all_reduce")
+        if not reductions:
+            return f"{where}, nothing was all-reduced: all-reduce the tensor over this rank's ddp group"
+        if not any(list(e.ranks) == mine for e in reductions):
+            ranks = sorted({tuple(e.ranks) for e in reductions})
+            if list(range(world)) in [list(r) for r in ranks] and mine != list(range(world)):
+                return f"{where}, the all-reduce ran over every rank, not over this rank's ddp group"
+            return f"{where}, the all-reduce ran over ranks {[list(r) for r in ranks]}, not over this rank's ddp group"
+        if not isinstance(got, torch.Tensor):
+            return f"{where}, ddp_average returned a {type(got).__name__}: return the averaged tensor"
+        if got.device.type != mesh.device_type:
+            return f"{where}, the result lives on {got.device}, but the mesh's ranks compute on {mesh.device_type}"
+        own = [_tensor_of(r, domain_size, device).cpu() for r in mine]
+        total = torch.stack(own).sum(0)
+        if tuple(got.shape) != tuple(total.shape):
+            return f"{where}, the result has shape {tuple(got.shape)}, not the shape of the tensor it was given"
+        if len(mine) > 1 and torch.allclose(got.cpu(), total, atol=1e-6):
+            return f"{where}, the result holds the sum over the group: DDP averages, so divide by the group's size"
+        if torch.allclose(got.cpu(), torch.full_like(total, sum(mine) / len(mine))):
+            return (f"{where}, the result is the average of the group's rank numbers: average the tensor the function "
+                    "was given, not the notebook's torch.full((3,), rank)")
+        if not torch.allclose(got.cpu(), total / len(mine), atol=1e-6):
+            return f"{where}, the result is not the average over this rank's ddp group of the tensors it was given"
+    return None
+

@@ -2,9 +2,10 @@
 guard that tells whether two ShardTensors split their rows the same way, and a halo exchange built by hand matched
 against the ShardTensor convolution.
 
-Each judge works out what is right from the rank's own state (its shard, its place in the mesh) and the library's
-own result. ``halo_conv`` calls collectives (the library's convolution and the learner's exchange): every rank
-runs it together, as ``sl.check.on_ranks`` does; the other two judges communicate with no one.
+Every answer is a function, called on fields and splits of the judge's own (uneven, other kernels), with what is
+right worked out from what the judge built or from the library's own result, computed outside the judged call.
+Each call is watched: which collectives ran, over which ranks, with how many bytes, and whether the library code an
+exercise rebuilds ran. The judges call collectives: every rank runs them together, as ``sl.check.on_ranks`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
+from ..check import Watch, earlier_object
 from ..measure import strict_fp32
+
+SMALL = 64  # bytes: a resolved mean moves a number or two, never rows of the field
 
 
 def _shard_tensor():
@@ -24,28 +28,69 @@ def _shard_tensor():
     return ShardTensor
 
 
-def replicated_mean(answer, x, whole) -> str | None:
-    """On a rank: ``answer`` must be a ShardTensor replicated over ``x``'s mesh that holds the mean of all of ``x``,
-    whose whole field this rank also holds as ``whole`` (so the truth needs no communication)."""
-    if tuple(whole.shape) != tuple(x.shape):
-        return "the field given to the check is not x's (the check cell passes the wrong names)"
-    truth = whole.double().mean().item()
-    if not isinstance(answer, _shard_tensor()):
-        kind = type(answer).__name__
-        return (f"answer is a {kind}, not a ShardTensor: compute it from the sharded x and keep the result "
-                "distributed (a plain value does not say where it lives or whether the ranks agree)")
-    if any(p.is_partial() for p in answer.placements):
-        return (f"answer is placed {tuple(answer.placements)}: each rank still holds only its own share of the "
-                "sum, not the mean")
-    if tuple(answer.placements) != (Replicate(),):
-        return f"answer is placed {tuple(answer.placements)}: a mean that every rank holds whole is replicated"
-    if answer.device_mesh.mesh.tolist() != x.device_mesh.mesh.tolist():
-        return "answer lives on other ranks than x: compute it from x"
-    value = answer.to_local()
-    if value.numel() != 1:
-        return f"answer holds {value.numel()} values on this rank; a mean over the whole field is one number"
-    if not math.isclose(value.item(), truth, rel_tol=1e-5, abs_tol=1e-6):
-        return f"answer holds {value.item():.6g} on this rank, which is not the mean over all of x's rows"
+def _uneven_field(mesh, device, seed: int, width: int = 6, channels: int = 1):
+    """(the whole field, the same on every rank; the field scattered along H over ``mesh``): 4n - 1 rows, so every
+    rank holds 4 but the last, which holds 3."""
+    from physicsnemo.domain_parallel import scatter_tensor
+
+    generator = torch.Generator().manual_seed(seed)
+    whole = torch.randn(1, channels, 4 * mesh.size() - 1, width, generator=generator).to(device)
+    return whole, scatter_tensor(whole, dist.get_global_rank(mesh.get_group(), 0), mesh, (Shard(2),))
+
+
+def replicated_mean(mean_of, x) -> str | None:
+    """Exercise 1. Doing it means: let each rank reduce its own rows (a ``Partial`` sum), then resolve the partial
+    value over the mesh (one all-reduce of a number), and keep the result a ShardTensor that every rank holds whole.
+
+    ``mean_of(t)`` is called on ``x`` and on a field of the judge's own, split unevenly (so a mean of the ranks'
+    means is wrong). Observed: the collectives (an all-reduce over the mesh, nothing carrying rows of the field) and
+    the result's type, placement, mesh and value, against the mean of the judge's own whole field."""
+    ShardTensor = _shard_tensor()
+    if not callable(mean_of):
+        return f"mean_of is a {type(mean_of).__name__}: define a function mean_of(t) that returns a ShardTensor"
+    mesh, n = x.device_mesh, x.device_mesh.size()
+    ranks = dist.get_process_group_ranks(mesh.get_group())
+    whole, own = _uneven_field(mesh, x.device, seed=41)
+    x_whole = x.full_tensor()  # every rank gathers it here, outside the judged call and before any verdict
+    cases = (("x", x, x_whole), ("a field of 4n - 1 rows split unevenly", own, whole))
+    runs = []
+    for what, t, full in cases:  # every call on every rank, then verdicts: no rank leaves a collective early
+        with Watch() as watch:
+            runs.append((what, t, full, mean_of(t), watch))
+    for what, t, full, answer, watch in runs:
+        truth = full.double().mean().item()
+        bulky = [e for e in watch.collectives() if e.bytes > SMALL]
+        if bulky:
+            return (f"on {what}, one {bulky[0].name} call moved {bulky[0].bytes} bytes (the field: {full.nbytes}): "
+                    "reduce each rank's rows first and resolve the Partial; only a number needs to travel")
+        if not isinstance(answer, ShardTensor):
+            kind = type(answer).__name__
+            return (f"on {what}, mean_of returned a {kind}, not a ShardTensor: compute it from the sharded t and keep "
+                    "the result distributed (a plain value does not say where it lives or whether the ranks agree)")
+        if any(p.is_partial() for p in answer.placements):
+            return (f"on {what}, the result is placed {tuple(answer.placements)}: each rank still holds only its own "
+                    "share of the sum, not the mean")
+        if tuple(answer.placements) != (Replicate(),):
+            return f"on {what}, the result is placed {tuple(answer.placements)}: a mean all ranks hold is replicated"
+        if answer.device_mesh.mesh.tolist() != mesh.mesh.tolist():
+            return f"on {what}, the result lives on other ranks than t: compute it from t"
+        if earlier_object(answer, mean_of):
+            return f"on {what}, {earlier_object(answer, mean_of)}, not the mean of t"
+        value = answer.to_local()
+        if value.numel() != 1:
+            return f"on {what}, the result holds {value.numel()} values on this rank; a mean of the whole field is one"
+        got = value.item()
+        if math.isclose(got, truth, rel_tol=1e-5, abs_tol=1e-6):
+            if n > 1 and not watch.collectives("all_reduce", ranks=ranks):
+                return f"on {what}, the value is right but nothing was all-reduced over t's mesh: where is it from"
+            continue
+        means = [c.double().mean().item() for c in full.chunk(n, dim=2)]
+        if math.isclose(got, sum(means) / n, rel_tol=1e-5, abs_tol=1e-6):
+            return (f"on {what}, the result is the mean of the ranks' means: with uneven shards the ranks hold "
+                    "different numbers of values, so that is not the field's mean")
+        if t is not x and math.isclose(got, x_whole.double().mean().item(), rel_tol=1e-5, abs_tol=1e-6):
+            return f"on {what}, the result is x's mean, not the mean of the tensor it was given"
+        return f"on {what}, the result holds {got:.6g} on this rank, which is not the mean over all of t's rows"
     return None
 
 
@@ -57,8 +102,11 @@ def _from_sizes(rows: list[int], mesh, device, width: int = 3):
 
 
 def layout_guard(fn, x) -> str | None:
-    """On a rank: ``fn(a, b)`` must be True exactly when a and b have the same placements and the same shard sizes
-    on every rank, for pairs built here on ``x``'s mesh (no communication)."""
+    """Exercise 2. Doing it means: compare what both tensors' specs record about every rank, the placements and the
+    shard sizes (``_spec.sharding_shapes()``), on this rank, without communicating: every rank holds them all.
+
+    ``fn(a, b)`` is called on pairs the judge builds on ``x``'s mesh (aligned and misaligned uneven splits, and a
+    replicated tensor) and must say True exactly for the aligned ones. Any collective during the calls fails."""
     mesh = x.device_mesh
     n = mesh.size()
     short_last = [2] * (n - 1) + [1]  # 2n - 1 rows: the short shard on the last rank (torch.chunk's habit) ...
@@ -73,13 +121,21 @@ def layout_guard(fn, x) -> str | None:
         ("two tensors split the same way, the short shard on the first rank", short_first, short_first, True),
         ("a tensor split over the ranks and a replicated one of the same global shape", short_last, None, False),
     ]
-    for what, rows_a, rows_b, same in cases:
-        a = _from_sizes(rows_a, mesh, x.device)
-        b = replicated if rows_b is None else _from_sizes(rows_b, mesh, x.device)
-        got = fn(a, b)
+    pairs = [(_from_sizes(a, mesh, x.device), replicated if b is None else _from_sizes(b, mesh, x.device))
+             for _, a, b, _ in cases]
+    with Watch() as watch:
+        answers = [fn(a, b) for a, b in pairs]
+    if watch.collectives():
+        used = sorted({e.name for e in watch.collectives()})
+        return (f"the guard communicated ({', '.join(used)}): every rank's spec already records every rank's shard "
+                "sizes, so compare them without asking the other ranks (and without the values)")
+    for (what, _, _, same), got in zip(cases, answers):
         if not isinstance(got, bool):
             return f"same_layout returned {got!r} ({type(got).__name__}); it should return True or False"
         if got != same:
+            if len(set(answers)) == 1:
+                return (f"same_layout says {'same' if got else 'different'} for every pair, {what} among them: "
+                        "compare the two tensors it is given")
             return f"same_layout says {'same' if got else 'different'} for {what}"
     return None
 
@@ -88,7 +144,7 @@ def _diagnose(got, expected, halo: int, rank: int, n: int) -> str | None:
     """What is wrong with a rank's convolution output, by where the wrong rows sit in its slab."""
     if tuple(got.shape) != tuple(expected.shape):
         return (f"it returned shape {tuple(got.shape)} on this rank, but this rank's slab gives an output of another "
-                "shape (the output has as many rows as the rank owns)")
+                "shape (as many rows as the rank owns: k//2 halo rows on each side, k read from the conv it is given)")
     scale = max(1.0, expected.abs().max().item())
     # One flag per output row of the slab: does any value in that row differ?
     wrong_rows = ((got - expected).abs() > 1e-5 * scale).any(dim=-1).flatten(0, -2).any(dim=0)
@@ -99,8 +155,8 @@ def _diagnose(got, expected, halo: int, rank: int, n: int) -> str | None:
     bottom = [r for r in rows if r >= got.shape[-2] - halo]
     inner = [r for r in rows if r not in top and r not in bottom]
     if inner:
-        return ("rows away from the slab's edges are wrong too, so it is not only the halo: check the convolution "
-                "itself (weights, bias, padding along W) and that it uses the rows it was given")
+        return ("rows away from the slab's edges are wrong too, so it is not only the halo: the output must come from "
+                "the rows it was given (local) and conv's own weights and bias, with padding along W")
     where = []
     if top:
         where.append("the top rows, which need the rows of the rank above" if rank > 0
@@ -112,33 +168,54 @@ def _diagnose(got, expected, halo: int, rank: int, n: int) -> str | None:
 
 
 def halo_conv(fn, x) -> str | None:
-    """On a rank: ``fn(local, conv, group)`` must return this rank's rows of ``conv`` applied to the whole field,
-    from this rank's rows and its neighbours' edge rows, equal to the ShardTensor convolution's local output.
+    """Exercise 3. Doing it means: each rank sends its top k//2 rows to the rank above and its bottom k//2 rows to the
+    rank below (point-to-point, or one all-to-all), receives theirs, stands zeros in where the field ends, and
+    convolves the stacked rows with padding along W only.
 
-    Tried on ``x`` with a 3×3 kernel and on a field of the judge's own, split unevenly, with a 5×5 kernel."""
-    from physicsnemo.domain_parallel import scatter_tensor
+    ``fn(local, conv, group)`` is called on ``x`` with a 3×3 kernel and on a field of the judge's own, split unevenly,
+    with a 5×5 kernel. Observed: ShardTensor's own halo exchange must not run in the call; every message is at most
+    the halo rows (nothing gathers the field); rows go to the neighbours; and the output rows equal the ShardTensor
+    convolution's, computed by the judge outside the call."""
+    from physicsnemo.domain_parallel.shard_utils import conv_patches, halo
 
     mesh = x.device_mesh
     group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    source = dist.get_global_rank(group, 0)
+    ranks = dist.get_process_group_ranks(group)
+    neighbours = [ranks[k] for k in (me - 1, me + 1) if 0 <= k < n]
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(4)  # the CPU generator only: the same weights and field on every rank
-        convs = [torch.nn.Conv2d(x.shape[1], 4, k, padding=k // 2) for k in (3, 5)]
-        # 4n - 1 rows: every rank owns 4 rows but the last, which owns 3 (uneven, and enough for a 5x5 halo).
-        field = torch.randn(1, x.shape[1], 4 * n - 1, 8)
-    convs = [conv.to(x.device) for conv in convs]
-    own = scatter_tensor(field.to(x.device), source, mesh, (Shard(2),))
+        torch.default_generator.manual_seed(4)  # the CPU generator only: the same weights on every rank
+        convs = [torch.nn.Conv2d(x.shape[1], 4, k, padding=k // 2).to(x.device) for k in (3, 5)]
+    _, own = _uneven_field(mesh, x.device, seed=4, width=8, channels=x.shape[1])  # 4n - 1 rows: enough for 5x5 halos
+    cases = (("x with a 3x3 kernel", convs[0], x), ("another field, split unevenly, with a 5x5 kernel", convs[1], own))
+    runs = []
     with torch.no_grad(), strict_fp32():
-        for what, conv, sharded in (("x with a 3x3 kernel", convs[0], x), ("another field, split unevenly, with a "
-                                                                            "5x5 kernel", convs[1], own)):
+        for what, conv, sharded in cases:  # every rank runs both cases before any verdict: no rank leaves early
             expected = conv(sharded).to_local()
-            got = fn(sharded.to_local(), conv, group)
-            if not isinstance(got, torch.Tensor) or isinstance(got, _shard_tensor()):
-                return (f"conv_with_halos returned a {type(got).__name__}; it should return this rank's output rows as "
-                        "a plain tensor")
-            if got.device != expected.device:
-                return f"it returned a tensor on {got.device}, not on this rank's device"
-            problem = _diagnose(got, expected, conv.kernel_size[0] // 2, me, n)
-            if problem:
-                return f"on {what}: {problem}"
+            with Watch(partial_conv_nd=(conv_patches.partial_conv_nd, halo.perform_halo_collective)) as watch:
+                got = fn(sharded.to_local(), conv, group)
+            runs.append((what, conv, sharded.to_local(), expected, got, watch))
+    for what, conv, local, expected, got, watch in runs:
+        problem = watch.forbidden(partial_conv_nd="ShardTensor's convolution with its own halo exchange, which this "
+                                                  "exercise builds by hand")
+        if problem:
+            return f"on {what}: {problem}"
+        h = conv.kernel_size[0] // 2
+        halo_bytes = h * local[..., :1, :].nbytes  # h rows of this rank's slab
+        bulky = [e for e in watch.collectives() if e.bytes > 2 * halo_bytes + SMALL]
+        if bulky:
+            return (f"on {what}: one {bulky[0].name} call moved {bulky[0].bytes} bytes; a {2 * h + 1}x{2 * h + 1} "
+                    f"kernel needs only {h} row(s) from each neighbour ({halo_bytes} bytes each way): exchange the "
+                    "edge rows")
+        if not isinstance(got, torch.Tensor) or isinstance(got, _shard_tensor()):
+            return (f"on {what}: conv_with_halos returned a {type(got).__name__}; it should return this rank's output "
+                    "rows as a plain tensor")
+        if got.device != expected.device:
+            return f"on {what}: it returned a tensor on {got.device}, not on this rank's device"
+        problem = _diagnose(got, expected, h, me, n)
+        if problem:
+            return f"on {what}: {problem}"
+        sent_to = {e.peer for e in watch.collectives("send")}
+        if not watch.collectives("all_to_all", ranks=ranks) and not set(neighbours) <= sent_to:
+            return (f"on {what}: the rows are right, but this rank sent nothing to its neighbour(s) {neighbours}: "
+                    "where did the halo rows come from? Receive them from the neighbours")
     return None

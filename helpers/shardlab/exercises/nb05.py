@@ -2,8 +2,10 @@
 sharding, sharded on the ddp axis), and an FSDP2 step built by hand (all-gather the parameters, forward and
 backward, reduce-scatter the gradients) matched against ``fully_shard``'s gradient shards.
 
-Both judges run the learner's function, which calls collectives: every rank runs them together, as
-``sl.check.on_ranks`` does.
+Both answers are functions, called on models and samples the notebook never used; the judges build their own answer
+key (a model wrapped by ``sl.train.wrap`` and stepped outside the judged call) and watch the call: the collectives
+it runs, over which ranks and with how many bytes, and the library functions it may not use. They run collectives:
+every rank runs them together, as ``sl.check.on_ranks`` does.
 """
 
 from __future__ import annotations
@@ -13,23 +15,39 @@ import copy
 import torch
 import torch.distributed as dist
 
+from ..check import Watch, earlier_object
 from ..launch import default_device
-from ..measure import collective_bytes, strict_fp32
+from ..measure import strict_fp32
 from ..models import conv_stack
+from ..train import normalized_darcy, wrap
+
+JUDGE_SEED = 100  # the models the judges build: weights no cell of the notebook made
 
 
 def fsdp2_ready(fn, mesh) -> str | None:
-    """On a rank: ``fn(model, mesh)`` gets a model whose initial weights differ on every rank and must return it
-    wrapped by ``fully_shard`` on ``mesh["ddp"]``, every rank starting from global rank 0's weights."""
-    from torch.distributed.fsdp import FSDPModule
+    """Exercise 1. Doing it means: broadcast global rank 0's plain weights and buffers over the domain axis and over
+    the ddp axis (``sync_module_over_mesh``), then ``fully_shard`` each layer and the model on ``mesh["ddp"]``.
+
+    ``fn(model, mesh)`` gets a model (of another width and depth than the notebook's) whose initial weights differ on
+    every rank. Observed: the broadcasts over both axes happen before ``fully_shard``; the model it returns is the one
+    it was given, wrapped by FSDP2 on the ddp axis, and every rank then computes with global rank 0's initial weights.
+    ``sl.train.wrap`` (the library's version of this function) may not run."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
     device = default_device()
-    model = conv_stack(seed=dist.get_rank()).to(device)  # every rank its own initial weights, on purpose
-    first = conv_stack(seed=0).to(device)  # what global rank 0 starts from
-    wrapped = fn(model, mesh)
+    shape = {"width": 8, "layers": 2}
+    model = conv_stack(seed=JUDGE_SEED + dist.get_rank(), **shape).to(device)  # every rank its own weights
+    first = conv_stack(seed=JUDGE_SEED, **shape).to(device)  # what global rank 0 starts from
+    with Watch(wrap=wrap, fully_shard=fully_shard) as watch:
+        wrapped = fn(model, mesh)
+    problem = watch.forbidden(wrap="the library's version of this function: write the syncs and fully_shard yourself")
+    if problem:
+        return problem
     if wrapped is None:
         return "shard_for_fsdp2 returned None: return the wrapped model (fully_shard returns the module it wraps)"
+    if wrapped is not model:
+        return f"{earlier_object(wrapped, fn) or 'it returned another model'}, not the model it was given, wrapped"
     if not isinstance(wrapped, FSDPModule):
         return f"shard_for_fsdp2 returned a {type(wrapped).__name__} that fully_shard did not wrap"
     params = list(wrapped.parameters())
@@ -41,46 +59,84 @@ def fsdp2_ready(fn, mesh) -> str | None:
             return ("the parameters are sharded over the domain axis: those ranks share one sample, so nothing "
                     "averages the gradients of the replicas")
         return f"the parameters are sharded over the mesh axes {sorted(axes)}, not over the ddp axis alone"
-    worst = 0.0
-    for p, q in zip(params, first.parameters()):
-        worst = max(worst, (p.full_tensor().detach() - q.detach()).abs().max().item())
+    worst = max((p.full_tensor().detach() - q.detach()).abs().max().item() for p, q in zip(params, first.parameters()))
     if worst > 0:
         return (f"after wrapping, the full weights seen on this rank differ from global rank 0's initial weights (by "
-                f"up to {worst:.3g}): fully_shard keeps whatever each rank held, so make them agree before sharding")
+                f"up to {worst:.3g}): fully_shard keeps whatever each rank held, so make them agree before sharding, "
+                "with rank 0's own weights")
+    first_shard = next(i for i, e in enumerate(watch.events) if e.kind == "call" and e.name == "fully_shard")
+    for axis in ("domain", "ddp"):
+        ranks = dist.get_process_group_ranks(mesh[axis].get_group())
+        if len(ranks) > 1 and not any(e.kind == "collective" and e.name == "broadcast" and list(e.ranks) == ranks
+                                      for e in watch.events[:first_shard]):
+            return (f"the weights agree, but nothing was broadcast over the {axis} axis before fully_shard: where did "
+                    "rank 0's weights come from? Sync them over each axis")
     return None
 
 
-def _is_gather(name: str) -> bool:
-    return "gather" in name
+def _padded_bytes(p, n: int) -> int:
+    """Bytes of one rank's shard of ``p`` padded to torch.chunk's first shard: what FSDP2 all-gathers per rank."""
+    rows = -(-p.shape[0] // n)
+    return rows * p[0].numel() * p.element_size()
 
 
-def _is_reduce_scatter(name: str) -> bool:
-    return "reduce_scatter" in name
+def fsdp2_step(fn, mesh) -> str | None:
+    """Exercise 2. Doing it means: all-gather every parameter's shards over the ddp group into the full parameter,
+    run forward and backward with those as leaves, and reduce-scatter each gradient back into this rank's rows,
+    averaged over the replicas.
 
+    ``fn(shards, template, x, y, group)`` gets this rank's parameter shards of a model the judge wrapped with
+    ``sl.train.wrap(..., "fsdp2")`` (other weights than the notebook's) and stepped once on another sample, a template
+    of zeros (shapes and forward only), and the ddp group. Observed: over the ddp group, an all-gather of one padded
+    shard per parameter and a reduce-scatter; no ``fully_shard`` or ``sl.train.wrap``; and the returned shards,
+    against the gradient shards the judge's FSDP2 model holds."""
+    from physicsnemo.domain_parallel import scatter_tensor
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
-def fsdp2_step(fn, fsdp_model, template, x, y) -> str | None:
-    """On a rank: ``fn(shards, template, x, y, group)`` gets this rank's parameter shards (as ``fully_shard`` holds
-    them) and must return this rank's shards of the ddp-averaged gradients of ``((model(x) - y) ** 2).mean()``,
-    equal to the gradient shards ``fully_shard`` left on ``fsdp_model`` after the same step.
-
-    The template it gets has zeros for weights: it gives shapes and the forward, not the values."""
-    named = dict(fsdp_model.named_parameters())
-    if any(p.grad is None for p in named.values()):
-        return "fsdp_model has no gradients yet: run the cell before the exercise (the library's step) first"
-    group = next(iter(named.values())).device_mesh.get_group()
+    device = default_device()
+    template = conv_stack(width=6, seed=JUDGE_SEED).to(device)
+    key = wrap(copy.deepcopy(template), mesh, "fsdp2")  # the answer key: built here, out of the learner's reach
+    ddp_size, replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
+    inputs, targets = normalized_darcy()
+    sample = ddp_size + replica  # step 1's sample of this replica: the notebook's cell used step 0's
+    x, y = inputs[sample:sample + 1].to(device), targets[sample:sample + 1].to(device)
+    if mesh["domain"].size() > 1:
+        source = dist.get_global_rank(mesh["domain"].get_group(), 0)
+        x, y = (scatter_tensor(t, source, mesh["domain"], (Shard(2),)) for t in (x, y))
+    with strict_fp32():
+        ((key(x) - y) ** 2).mean().backward()
+    named = dict(key.named_parameters())
+    group = mesh["ddp"].get_group()
+    ranks = dist.get_process_group_ranks(group)
     shards = {name: p.to_local().detach().clone() for name, p in named.items()}
     expected = {name: p.grad.to_local() for name, p in named.items()}
     blank = copy.deepcopy(template)
     with torch.no_grad():
         for p in blank.parameters():
             p.zero_()
-    with strict_fp32(), collective_bytes() as comm:
+    with strict_fp32(), Watch(fully_shard=fully_shard, wrap=wrap) as watch:
         got = fn(shards, blank, x, y, group)
+    problem = watch.forbidden(fully_shard="the library this exercise rebuilds", wrap="which calls fully_shard")
+    if problem:
+        return problem
     if not isinstance(got, dict):
         return f"fsdp2_grads_by_hand returned a {type(got).__name__}; return a dict {{parameter name: gradient shard}}"
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         return f"the gradients returned are keyed differently from the shards: missing {missing}, unexpected {extra}"
+    if ddp_size > 1:
+        gathers = watch.collectives("all_gather", ranks=ranks)
+        if not gathers:
+            return ("no all-gather ran over the ddp group: FSDP2 rebuilds each full parameter from the replicas' "
+                    "shards with an all-gather")
+        padded, sent = [_padded_bytes(p, ddp_size) for p in template.parameters()], [e.bytes for e in gathers]
+        if any(sent.count(size) < padded.count(size) for size in set(padded)):
+            return ("the all-gathers over the ddp group were not one padded shard per parameter per rank: pad each "
+                    "shard to ceil(rows / n) rows and gather those")
+        if not watch.collectives("reduce_scatter", ranks=ranks):
+            return ("no reduce-scatter ran over the ddp group: FSDP2 reduce-scatters the gradients, so each rank "
+                    "receives the sum of its own rows only")
     full_shapes = {name: tuple(p.shape) for name, p in template.named_parameters()}
     for name, want in expected.items():
         mine = got[name]
@@ -97,14 +153,7 @@ def fsdp2_step(fn, fsdp_model, template, x, y) -> str | None:
         if want.numel():
             scale = max(want.abs().max().item(), 1e-12)
             if not torch.allclose(mine.detach(), want, rtol=1e-4, atol=1e-6 * scale):
-                return (f"{name}: the values differ from fully_shard's gradient shard on this rank; they must come "
-                        "from the gathered weights (the template's are zeros) and be averaged over the ddp replicas, "
-                        "each of which trained on its own sample")
-    ops = list(comm.ops)
-    if not any(_is_gather(op) for op in ops):
-        return ("the values are right, but no all-gather was called: FSDP2 rebuilds each full parameter from the "
-                "ranks' shards with an all-gather")
-    if not any(_is_reduce_scatter(op) for op in ops):
-        return ("the values are right, but no reduce-scatter was called: FSDP2 reduce-scatters the gradients, so "
-                "each rank receives the sum of its own rows only")
+                return (f"{name}: the values differ from the gradient shard fully_shard gives for the shards, sample "
+                        "and group it was given; they must come from the gathered weights (the template's are zeros) "
+                        "and be averaged over the ddp replicas, each of which trained on its own sample")
     return None

@@ -1,19 +1,26 @@
 """Judges of ``notebooks/06_compile_caveats.ipynb``: graphs counted on each rank, and one graph for every shard height.
 
-Each judge builds this rank's own inputs: the local shards of a few fields whose heights do not split
-evenly over the domain group, so the ranks of a group see different local shapes. What is right is
-measured here, on the rank, by compiling the judge's own functions; nothing is a typed constant.
+Each judge builds this rank's own inputs: the local shards of fields whose heights do not split evenly over the domain
+group, so the ranks of a group see different local shapes. What is right is measured here, on the rank, by compiling
+the judge's own functions with a counting backend; nothing is a typed constant. The functions differ in how many
+graphs each shape costs, so only an answer that counts graphs passes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..check import Watch, earlier_object
 from ..launch import default_device
 from ..mesh import shard_bounds
 
 # Field heights whose shards differ in rows between the ranks of a domain group of 2 (64 → 32|32, 63 → 32|31, ...).
 HEIGHTS = (64, 63, 62, 61)
+# Three heights that give every rank three shard heights, and heights with repeats (a repeat costs no new graph).
+THREE_HEIGHTS = (64, 62, 60)
+MORE_HEIGHTS = (40, 39, 40, 37, 39)
 
 
 def with_a_graph_break(t):
@@ -28,8 +35,21 @@ def pointwise(t):
     return torch.nn.functional.gelu(t * 2) + 1
 
 
-def local_shards(mesh, heights=HEIGHTS) -> list:
-    """This rank's local shard (1, 1, rows, 8) of a field of each height, split over ``mesh["domain"]``."""
+def breaks_on_odd_rows(t):
+    """One graph for an even number of rows, two for an odd one: graphs are not shapes times a constant."""
+    t = torch.sin(t * 2)
+    if t.shape[2] % 2:
+        torch._dynamo.graph_break()
+    return t - 1
+
+
+def pointwise_marked(t):
+    """``pointwise`` when compiled; 1000 more when it runs eagerly, so an eager fallback shows in the values."""
+    return pointwise(t) + (0.0 if torch.compiler.is_compiling() else 1000.0)
+
+
+def local_shards(mesh, heights=HEIGHTS, width: int = 8) -> list:
+    """This rank's local shard (1, 1, rows, width) of a field of each height, split over ``mesh["domain"]``."""
     domain = mesh["domain"]
     rank_in_group = domain.get_local_rank()
     device = default_device()
@@ -37,7 +57,7 @@ def local_shards(mesh, heights=HEIGHTS) -> list:
     shards = []
     for height in heights:
         _, start, stop = shard_bounds(height, domain.size())[rank_in_group]
-        shards.append(torch.randn(1, 1, stop - start, 8, generator=generator).to(device))
+        shards.append(torch.randn(1, 1, stop - start, width, generator=generator).to(device))
     return shards
 
 
@@ -58,46 +78,82 @@ def graphs_compiled(fn, inputs, dynamic) -> int:
     return len(graphs)
 
 
+@functools.lru_cache(maxsize=32)
+def _graphs_for_rows(fn, rows: tuple, dynamic) -> int:
+    """``graphs_compiled`` for shards of these heights: the same on every call, so each rank compiles it once."""
+    return graphs_compiled(fn, [torch.zeros(1, 1, r, 8, device=default_device()) for r in rows], dynamic)
+
+
 def counts_graphs(count_graphs, mesh):
-    """Exercise 1: ``count_graphs(fn, inputs)`` returns how many graphs ``torch.compile(fn, dynamic=False)``
-    compiles over the inputs. Judged on this rank's uneven shards, with a function that graph-breaks once."""
+    """Exercise 1. Doing it means: compile ``fn`` with ``dynamic=False`` and a backend of one's own that counts the
+    graphs it is handed, call the compiled function on every input, and return that count.
+
+    ``count_graphs(fn, inputs)`` is called for three functions (one graph break, a break on odd heights only, none),
+    each on this rank's uneven shards of another set of fields (one with repeated heights). Truth: the judge's own
+    counting backend. ``torch._dynamo.explain`` (a count made by PyTorch) may not run."""
     if not callable(count_graphs):
         return f"count_graphs is a {type(count_graphs).__name__}: define a function count_graphs(fn, inputs)"
-    inputs = local_shards(mesh)
+    cases = [(with_a_graph_break, local_shards(mesh, THREE_HEIGHTS)), (breaks_on_odd_rows, local_shards(mesh)),
+             (pointwise, local_shards(mesh, MORE_HEIGHTS))]
+    answers = []
+    for fn, inputs in cases:
+        torch._dynamo.reset()
+        with Watch(attributes={"explain": (torch._dynamo, "explain")}, collectives=False) as watch:
+            answers.append(count_graphs(fn, inputs))
+        problem = watch.forbidden(explain="which counts for you: count the graphs your own backend is handed")
+        if problem:
+            return problem
     torch._dynamo.reset()
-    got = count_graphs(with_a_graph_break, inputs)
-    if not isinstance(got, int) or isinstance(got, bool):
-        return f"count_graphs returned {got!r}: return the number of graphs, an int"
-    right = graphs_compiled(with_a_graph_break, inputs, dynamic=False)
-    if got == right:
-        return None
-    if got == len(inputs):
-        return (f"it returned {got} for {len(inputs)} calls: that counts calls. Count the graphs: a backend is "
-                "called once per graph it compiles")
-    if got == graphs_compiled(with_a_graph_break, inputs, dynamic=None):
-        return (f"it returned {got}, what the default dynamic=None compiles (after the first new shape Dynamo makes "
-                "the dimension dynamic): compile with dynamic=False")
-    return (f"it returned {got}, but Dynamo compiles a different number of graphs for these {len(inputs)} local "
-            "shards on this rank (this function has a graph break: count graphs, not shapes)")
+    for (fn, inputs), got in zip(cases, answers):
+        rows = tuple(t.shape[2] for t in inputs)
+        where = f"for {fn.__name__} on {len(inputs)} shards of {list(rows)} rows"
+        if not isinstance(got, int) or isinstance(got, bool):
+            return f"{where} count_graphs returned {got!r}: return the number of graphs, an int"
+        if got == _graphs_for_rows(fn, rows, False):
+            continue
+        if len(set(answers)) == 1:
+            return f"it returned {got} for every function and every set of inputs: count what the compiler does"
+        if got in (len(inputs), len(set(rows))):
+            counted = {len(inputs): "calls", len(set(rows)): "distinct shapes"}[got]
+            return (f"{where} it returned {got}, the number of {counted}: count graphs (a backend is called once per "
+                    "graph, and a graph break makes more)")
+        if got == _graphs_for_rows(fn, rows, None):
+            return (f"{where} it returned {got}, what the default dynamic=None compiles (after the first new shape "
+                    "Dynamo makes the dimension dynamic): compile with dynamic=False")
+        return f"{where} it returned {got}, but Dynamo compiles another number of graphs for these shards on this rank"
+    return None
 
 
 def compiles_once(compile_once, mesh):
-    """Exercise 2: ``compile_once(fn)`` returns a compiled callable that compiles one graph for every shard
-    height on this rank, and gives the eager values."""
+    """Exercise 2. Doing it means: return ``torch.compile(fn, ...)`` (or a function that calls it) with the sharded
+    dimension, and only that one, marked dynamic (``torch._dynamo.mark_dynamic(t, 2)``), so that every shard height
+    runs one compiled graph.
+
+    ``compile_once(fn)`` is called on a function whose eager run adds 1000 (``torch.compiler.is_compiling()`` is
+    False there), then fed this rank's shards of several heights, then one shard of another width. Observed: one
+    Dynamo graph for all heights, compiled values for every call (no eager fallback), and one more graph for the
+    new width (a width that stays static keeps the graph specialised)."""
     from torch._dynamo.utils import counters
 
     if not callable(compile_once):
         return f"compile_once is a {type(compile_once).__name__}: define a function compile_once(fn)"
     inputs = local_shards(mesh)
+    wider = local_shards(mesh, HEIGHTS[:1], width=12)[0]
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    compiled = compile_once(pointwise)
-    if compiled is pointwise:
+    compiled = compile_once(pointwise_marked)
+    reused = earlier_object(compiled, compile_once)
+    if reused:
+        torch._dynamo.reset()
+        return f"{reused}, not a compiled fn"
+    if compiled is pointwise_marked:
+        torch._dynamo.reset()
         return "compile_once returned the function itself: nothing is compiled"
     with torch.no_grad():
         outputs = [compiled(t) for t in inputs]
         graphs = counters["stats"]["unique_graphs"] - before
-        worst = max((o - pointwise(t)).abs().max().item() for o, t in zip(outputs, inputs))
+        after_width = compiled(wider)
+        graphs_with_width = counters["stats"]["unique_graphs"] - before
     torch._dynamo.reset()
     if graphs == 0:
         return "no graph was compiled for these calls: return a torch.compile(...) of fn, or a function that calls one"
@@ -105,6 +161,16 @@ def compiles_once(compile_once, mesh):
         rows = sorted({t.shape[2] for t in inputs})
         return (f"{graphs} graphs were compiled on this rank for shards of {len(rows)} different heights: every new "
                 "height still recompiles. Tell the compiler that the sharded dimension varies")
-    if not worst <= 1e-6:
-        return f"the compiled results differ from the eager function by up to {worst:.2e}"
+    for t, out in zip([*inputs, wider], [*outputs, after_width]):
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(t.shape):
+            return f"for a shard of {t.shape[2]} rows it returned {type(out).__name__}, not fn's output"
+        worst = (out - pointwise(t)).abs().max().item()
+        if abs(worst - 1000.0) < 1.0:
+            return (f"for a shard of {t.shape[2]} rows and width {t.shape[3]} the function ran eagerly, not compiled: "
+                    "every height must run the one compiled graph")
+        if not worst <= 1e-6:
+            return f"the compiled results differ from fn's by up to {worst:.2e}"
+    if graphs_with_width == graphs:
+        return ("a shard of another width ran without a new graph: every dimension was made dynamic. Only the sharded "
+                "dimension varies between ranks; mark that one, and keep the others specialised")
     return None
