@@ -104,7 +104,7 @@ def _fits_cases() -> list[tuple]:
     cases = []
     for ddp, domain, wrapper in ((1, 1, "ddp"), (1, 4, "ddp"), (2, 2, "fsdp2")):
         result = planner.plan(ddp=ddp, domain=domain, wrapper=wrapper)
-        need = result.largest()["total"]
+        need = result.largest().total
         limit = need + result.headroom(need)
         for capacity in (limit, limit - 1, need + 1, 2 * limit):
             what = (f"{planner.name} on 1024x1024, (ddp={ddp}, domain={domain}), {wrapper}, a GPU of "
@@ -133,7 +133,7 @@ def fits_by_hand(fits) -> str | None:
     for (what, planner, _, _, _, capacity, result), got in zip(cases, answers):
         if not isinstance(got, bool):
             return f"for {what} fits returned {got!r}; return True or False"
-        right = verdict(planner, result, capacity)["fits"]
+        right = verdict(planner, result, capacity).fits
         if got == right:
             continue
         if got:
