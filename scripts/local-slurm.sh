@@ -115,7 +115,7 @@ status() {
     if [ -e "$CONF" ] && ! grep -qF "$MARKER" "$CONF" 2>/dev/null; then
         log "$CONF was not written by this script: the tests do not submit jobs to that Slurm"; return 3
     fi
-    running slurmctld && running slurmd || { log "no single-node Slurm of this script is running"; return 1; }
+    running slurmctld && running slurmd || { log "no single-node Slurm (scripts/local-slurm.sh) is running"; return 1; }
     case "$(node_state)" in
         idle*|mixed*|allocated*|completing*) return 0 ;;
         *) log "its node is not usable: $(node_state || true)"; return 1 ;;
