@@ -72,7 +72,7 @@ test: $(STAMP)
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
 
-# What needs no ranks, no notebooks and no browser: the loop to run after every change (seconds).
+# What needs no ranks, no notebooks and no browser: the loop to run after every change (a minute or more).
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m unit -n 2
 

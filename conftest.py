@@ -28,8 +28,15 @@ import pytest
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
 # share their controller's. Set before shardlab is imported, so that shardlab.procs reads it.
+# What kernels, Jupyter, matplotlib and Warp would otherwise write into the user's home (IPython history, connection
+# files, font and kernel caches) goes to a folder of the session in the temp folder, removed at its end.
+USER_STATE = {"IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "MPLCONFIGDIR": "matplotlib",
+              "WARP_CACHE_PATH": "warp"}
 if not os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["SHARDLAB_ORIGIN"] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.environ["SHARDLAB_TEST_USER_STATE"] = tempfile.mkdtemp(prefix="shardlab-test-user-state-")
+    for variable, folder in USER_STATE.items():
+        os.environ.setdefault(variable, os.path.join(os.environ["SHARDLAB_TEST_USER_STATE"], folder))
 
 from shardlab import procs  # noqa: E402
 
@@ -148,6 +155,7 @@ def pytest_sessionfinish(session, exitstatus):
         procs.stop(left)
         print(f"\nFAILED: this run left processes behind (now stopped): {names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(os.environ["SHARDLAB_TEST_USER_STATE"], ignore_errors=True)  # nothing of the session writes now
     try:
         started_here = (SLURM_STATE / "started-by").read_text().strip() == SESSION_ORIGIN
     except OSError:

@@ -58,6 +58,11 @@ def find_chromium(playwright) -> str:
     return CHROMIUM
 
 
+def chromium_environment(folder: Path) -> dict:
+    """Chromium's environment: its crash reports and caches (~/.config/chromium, ~/.cache) in ``folder``."""
+    return os.environ | {"XDG_CONFIG_HOME": str(folder / ".config"), "XDG_CACHE_HOME": str(folder / ".cache")}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,7 +104,11 @@ def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root)
+        # Its config folder (~/.jupyter) and the log of the `npm prefix` it asks (~/.npm/_logs) go to the test's
+        # folder: a test run writes nothing into the home.
+        here = {"JUPYTER_CONFIG_DIR": str(root / ".jupyter-config"), "npm_config_cache": str(root / ".npm")}
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
+                                  env=os.environ | here)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while True:

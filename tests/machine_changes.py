@@ -1,8 +1,9 @@
 """What a test run changed on this machine outside the checkout and the temp folder.
 
 conftest.py takes a snapshot when a run starts and compares at its end: installed packages (dpkg's
-status file), every file under /etc and under the system folders scripts/local-slurm.sh writes, and
-daemons running (processes whose program lives in an sbin folder: munged, slurmctld, slurmd, sshd...).
+status file), every file under /etc, whether the other system folders scripts/local-slurm.sh makes exist
+(what is in them is the running daemons' spool and logs, which change while a Slurm that was up before
+runs jobs), and daemons running (processes whose program lives in an sbin folder: munged, slurmctld...).
 Without SHARDLAB_SYSTEM_SETUP=1 (``make test-system``) any difference fails the run; with it, the run
 may set the machine up (apt-get, /etc/slurm, /etc/munge, a single-node Slurm) and lists what it did.
 
@@ -19,9 +20,10 @@ import psutil
 
 SYSTEM_SETUP = "SHARDLAB_SYSTEM_SETUP"
 ROOT_VARIABLE = "SHARDLAB_MACHINE_ROOT"
-# /etc, and what scripts/local-slurm.sh writes outside it (its state, Slurm's spool and logs, munge's folders).
-WATCHED = ("etc", "run/shardlab-slurm", "var/spool/slurmctld", "var/spool/slurmd", "var/log/slurm", "run/munge",
-           "var/lib/munge", "var/log/munge")
+# Every file under these; of the folders scripts/local-slurm.sh makes elsewhere, whether they exist.
+WATCHED = ("etc",)
+MADE_BY_THE_SET_UP = ("run/shardlab-slurm", "var/spool/slurmctld", "var/spool/slurmd", "var/log/slurm", "run/munge",
+                      "var/lib/munge", "var/log/munge")
 SBIN = ("usr/sbin", "sbin", "usr/local/sbin")
 DPKG_STATUS = "var/lib/dpkg/status"
 
@@ -56,8 +58,9 @@ def installed_packages(status_file: Path) -> dict[str, str]:
     return packages
 
 
-def files_under(root: Path, folders=WATCHED) -> dict[str, tuple]:
-    """Every file, folder and link under the folders, as far as this user can read them."""
+def files_under(root: Path, folders=WATCHED, only_the_folder=MADE_BY_THE_SET_UP) -> dict[str, tuple]:
+    """Every file, folder and link under ``folders`` (as far as this user can read them), and whether each of
+    ``only_the_folder`` exists."""
     seen = {}
 
     def record(path: str) -> None:
@@ -71,6 +74,9 @@ def files_under(root: Path, folders=WATCHED) -> dict[str, tuple]:
         size, mtime = (None, None) if kind == "dir" else (st.st_size, st.st_mtime_ns)
         seen[path] = (kind, size, mtime, st.st_mode, st.st_uid, link)
 
+    for folder in only_the_folder:
+        if os.path.isdir(root / folder):
+            seen[str(root / folder)] = ("dir",)
     for folder in folders:
         top = str(root / folder)
         record(top)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from browser_support import CHROMIUM_ARGS, find_chromium, lab_server
+from browser_support import CHROMIUM_ARGS, chromium_environment, find_chromium, lab_server
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = "09_memory_planner.ipynb"
@@ -45,7 +45,8 @@ def test_notebook_09_runs_in_jupyterlab_and_its_widget_replans(tmp_path, monkeyp
         old.unlink()
 
     with lab_server(tmp_path, ARTIFACTS / "lab_planner.server.log") as (base, token, api), sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                                     env=chromium_environment(tmp_path))
         page = browser.new_page(viewport={"width": 1600, "height": 1200})
         try:
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
