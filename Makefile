@@ -1,6 +1,8 @@
 # Two commands for learners: `make lab` (open the series) and `make test` (run every test).
 # Both create the environment in .venv when it is missing or when the lock (requirements.txt) changed.
 # Versions: edit requirements.in, then `make lock` regenerates requirements.txt (every package, with hashes).
+# Neither changes anything outside the checkout and the temp folder; `make test-system` is the command that may set
+# this machine up for the Slurm, MPICH and browser tests (as root: apt-get, /etc/slurm, /etc/munge, daemons).
 PYTHON ?= python3
 VENV   ?= .venv
 KERNEL := shardlab
@@ -26,7 +28,24 @@ LOCK_CMD   := uv pip compile requirements.in --generate-hashes --python-version 
 # without it, packages already in requirements.txt keep their versions where requirements.in still allows them.
 LOCK_ARGS  ?=
 
-.PHONY: lab test test-fast gpu-check lint handout env lock clean-env kernel-user slurm-start slurm-stop
+# The interpreter .venv is made from, checked before .venv exists. The lock is for CPython 3.11 (its torch, numpy...
+# wheels are cp311); in the container .venv takes the container's packages, so any 3.11 or newer does there.
+PYTHON_NEEDED := $(if $(filter 1,$(SHARDLAB_CONTAINER)),3.11 or newer,3.11)
+PYTHON_FITS   := $(if $(filter 1,$(SHARDLAB_CONTAINER)),sys.version_info >= (3, 11),sys.version_info[:2] == (3, 11))
+CHECK_PYTHON   = found=$$($(PYTHON) -c 'import platform, sys; print("Python", platform.python_version()); \
+	sys.exit(not ($(PYTHON_FITS)))' 2>/dev/null) || { echo "make: $(VENV) needs Python $(PYTHON_NEEDED), but" \
+	"PYTHON=$(PYTHON) is $${found:-not a Python that runs}. Pass one: make $(or $(MAKECMDGOALS),env)" \
+	"PYTHON=python3.11 (or PYTHON=/path/to/python3.11)." >&2; exit 1; }
+# A .venv without its stamp is what a failed install left: it is made again from scratch, never reused. The stamp
+# is removed before an update and written last, so a complete .venv whose update fails is not reused either.
+define fresh_venv
+	@if [ -e $(VENV) ] && [ ! -e $(STAMP) ]; then \
+		echo "make: $(VENV) is incomplete (an earlier install did not finish): making it again" >&2; rm -rf $(VENV); fi
+	@rm -f $(STAMP)
+	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); $(PYTHON) -m venv $(1) $(VENV); }
+endef
+
+.PHONY: lab test test-fast test-system gpu-check lint handout env lock clean-env kernel-user slurm-start slurm-stop
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
@@ -37,17 +56,23 @@ kernel-user:
 	@test -x $(VENV)/bin/python || { echo "no $(VENV) yet: run make env first" >&2; exit 1; }
 	$(call install_kernel,--user)
 
-# A single-node Slurm (and MPICH) on this machine, as root: what `make test` starts for its Slurm tests by itself.
+# A single-node Slurm (and MPICH) on this machine, as root, for the Slurm tests and to try the Slurm recipe.
 slurm-start:
 	bash scripts/local-slurm.sh start
 slurm-stop:
 	bash scripts/local-slurm.sh stop
 
-# Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time).
+# Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time). The Slurm,
+# MPICH and browser tests run where the machine has what they need, and skip with a line saying how otherwise.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 --dist worksteal
 
-# What needs no ranks, no notebooks and no browser: the loop to run after every change (seconds).
+# `make test` that may set the machine up first (what CI does; as root): installs Debian's slurm-wlm, munge, mpich and
+# chromium where missing, writes /etc/slurm and /etc/munge, and runs a single-node Slurm for the run's duration.
+test-system: export SHARDLAB_SYSTEM_SETUP = 1
+test-system: test
+
+# What needs no ranks, no notebooks and no browser: the loop to run after every change (a minute or more).
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m unit -n 2
 
@@ -68,7 +93,7 @@ ifeq ($(SHARDLAB_CONTAINER),1)
 # sees the container's packages, and only what the container lacks is added, under constraints that pin every
 # package the container has, so torch and its CUDA build are never replaced.
 $(STAMP): container/requirements.txt helpers/pyproject.toml
-	@test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(call fresh_venv,--system-site-packages)
 	$(VENV)/bin/python -m pip freeze --all > $(VENV)/container-constraints.txt
 	$(VENV)/bin/python -m pip install --quiet -c $(VENV)/container-constraints.txt -r container/requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
@@ -77,7 +102,7 @@ $(STAMP): container/requirements.txt helpers/pyproject.toml
 else
 # The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
 $(STAMP): requirements.txt helpers/pyproject.toml
-	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(call fresh_venv)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers

@@ -3,16 +3,21 @@ categories (markers), and the guard that fails a run which leaves cluster or lau
 behind. The guard only sees processes started from this run (they inherit its SHARDLAB_ORIGIN),
 so a learner's open cluster or another user's MPI job is never reported, let alone killed.
 
-Tests marked ``slurm`` need a Slurm, tests marked ``mpich`` MPICH's mpiexec: the first of them
-starts a single-node Slurm with scripts/local-slurm.sh (which also installs MPICH), once per run
-(a file lock keeps two xdist workers from doing it twice), and the run stops it at the end if it
-started it. Where that cannot work (not root, no apt-get, another Slurm configured here) they skip,
-saying why."""
+Tests marked ``slurm`` need a Slurm, tests marked ``mpich`` MPICH's mpiexec, the browser test Chromium.
+They run where the machine already has them (a single-node Slurm of scripts/local-slurm.sh that is up,
+``mpiexec.mpich`` on PATH, a Chromium), and otherwise skip with one line that says how to enable them.
+Only with SHARDLAB_SYSTEM_SETUP=1 (``make test-system``, what CI runs) does the run set the machine up:
+the first such test starts a single-node Slurm with scripts/local-slurm.sh (which installs Debian's
+packages where missing), once per run (a file lock keeps two xdist workers from doing it twice), and
+the run stops it at the end. Without it, a run that changed the machine outside the checkout and the
+temp folder fails (tests/machine_changes.py)."""
 
+import contextlib
 import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -25,40 +30,60 @@ from shardlab import procs
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
 # share their controller's. shardlab.procs reads it whenever it is asked.
+# What kernels, Jupyter, matplotlib and Warp would otherwise write into the user's home (IPython history, connection
+# files, font and kernel caches) goes to a folder of the session in the temp folder, removed at its end.
+USER_STATE = {"IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "MPLCONFIGDIR": "matplotlib",
+              "WARP_CACHE_PATH": "warp"}
 if not os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ[procs.ORIGIN] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.environ["SHARDLAB_TEST_USER_STATE"] = tempfile.mkdtemp(prefix="shardlab-test-user-state-")
+    for variable, folder in USER_STATE.items():
+        os.environ.setdefault(variable, os.path.join(os.environ["SHARDLAB_TEST_USER_STATE"], folder))
 SESSION_ORIGIN = os.environ[procs.ORIGIN]
+
+sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the support modules next to the tests
+import machine_changes  # noqa: E402
+
 collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/test_negative_notebooks.py runs them
 CATEGORIES = ("unit", "multirank", "notebook", "browser", "bench", "gpu")
 LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
 SLURM_STATE = Path("/run/shardlab-slurm")
+MACHINE_BEFORE = pytest.StashKey[machine_changes.Snapshot]()
 _needs: dict[str, str | None] = {}  # "slurm"/"mpich" -> None when usable, else why not (once per process)
+ENABLE = f"`sudo make test-system` sets this machine up for them ({machine_changes.SYSTEM_SETUP}=1)"
 
 
 def _local_slurm(command: str) -> tuple[int, str]:
-    """Run scripts/local-slurm.sh COMMAND under a lock shared by every worker of this machine."""
-    lock_path = Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-local-slurm.lock"
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker installs and starts; the other waits, then finds it up
-        env = os.environ | {"SHARDLAB_ORIGIN": SESSION_ORIGIN}
+    """Run scripts/local-slurm.sh COMMAND (start and stop under a lock shared by every worker of this machine)."""
+    env = os.environ | {"SHARDLAB_ORIGIN": SESSION_ORIGIN}
+    with contextlib.ExitStack() as held:
+        if command != "status":
+            lock = held.enter_context(open(Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-local-slurm.lock",
+                                           "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker installs and starts; the other waits, then finds it up
         out = subprocess.run(["bash", str(LOCAL_SLURM), command], capture_output=True, text=True, env=env,
                              timeout=600)
-    return out.returncode, (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+    return out.returncode, (out.stderr.strip().splitlines() or ["(no message)"])[-1].removeprefix("local-slurm: ")
 
 
 def _why_not(need: str) -> str | None:
-    """None when this machine has what tests marked ``need`` use (starting it if it can), else the reason."""
+    """None when this machine has what tests marked ``need`` use, else one line: why not, and how to enable it.
+    Only with the opt-in does it install or start anything (scripts/local-slurm.sh start installs MPICH too)."""
     if need not in _needs:
         if os.environ.get("SHARDLAB_TEST_SLURM") == "off":
             _needs[need] = "SHARDLAB_TEST_SLURM=off"
-        elif need == "mpich" and shutil.which("mpiexec.mpich"):
+        elif need == "mpich":
+            if not shutil.which("mpiexec.mpich") and machine_changes.setup_allowed():
+                _local_slurm("start")
+            _needs[need] = None if shutil.which("mpiexec.mpich") else (
+                f"MPICH's mpiexec.mpich is not installed: `sudo apt-get install mpich`, or {ENABLE}")
+        elif (status := _local_slurm("status"))[0] == 0:
             _needs[need] = None
+        elif not machine_changes.setup_allowed():
+            _needs[need] = f"{status[1]}: `sudo make slurm-start` starts one, or {ENABLE}"
         else:
             code, said = _local_slurm("start")
-            if need == "mpich":
-                _needs[need] = None if shutil.which("mpiexec.mpich") else f"MPICH's mpiexec.mpich is missing ({said})"
-            else:
-                _needs[need] = None if code == 0 else f"no single-node Slurm here: {said}"
+            _needs[need] = None if code == 0 else f"no single-node Slurm here: {said}"
     return _needs[need]
 
 
@@ -114,6 +139,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: next((i for i, name in enumerate(first) if item.get_closest_marker(name)), len(first)))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[MACHINE_BEFORE] = machine_changes.snapshot()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):
         return  # under xdist only the controller checks, once every worker is done
@@ -123,6 +154,7 @@ def pytest_sessionfinish(session, exitstatus):
         procs.stop(left)
         print(f"\nFAILED: this run left processes behind (now stopped): {names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(os.environ["SHARDLAB_TEST_USER_STATE"], ignore_errors=True)  # nothing of the session writes now
     try:
         started_here = (SLURM_STATE / "started-by").read_text().strip() == SESSION_ORIGIN
     except OSError:
@@ -131,3 +163,11 @@ def pytest_sessionfinish(session, exitstatus):
         code, said = _local_slurm("stop")
         if code != 0:
             print(f"\nscripts/local-slurm.sh stop failed: {said}")
+    if MACHINE_BEFORE in session.config.stash:
+        changed = machine_changes.compare(session.config.stash[MACHINE_BEFORE], machine_changes.snapshot())
+        if changed and machine_changes.setup_allowed():
+            print(f"\nThis run set the machine up ({machine_changes.SYSTEM_SETUP}=1): " + "; ".join(changed))
+        elif changed:
+            print(f"\nFAILED: this run changed the machine outside the checkout and the temp folder, without "
+                  f"{machine_changes.SYSTEM_SETUP}=1: " + "; ".join(changed))
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

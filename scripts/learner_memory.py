@@ -2,12 +2,17 @@
 starts it) that runs ``sl.start_cluster(n)``, with its controller, launcher and engines, once every rank has
 initialised DistributedManager and ShardTensor's operators (what the first cell of notebooks 02-08 leaves).
 
-    python scripts/learner_memory.py [--ranks 4] [--json FILE]
+    python scripts/learner_memory.py [--ranks 4] [--json FILE] [--imports]
 
 Prints one row per process and the totals. RSS counts shared pages (libraries mapped by several processes) in
 each of them; PSS splits shared pages between the processes that map them, so PSS sums to what the learner
 really takes. Divide a node's free memory by the PSS per learner (with a margin for what the notebooks then
 compute) to size a workshop.
+
+``--imports`` says what an engine's memory is made of: in a fresh interpreter, the private memory (heap and
+anonymous pages: what every engine pays alone, whatever it shares) that each step of an engine's start adds, in
+the order an engine takes them, with whose code it is. Shared library pages are left out: PSS spreads them over
+the engines.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -70,12 +76,62 @@ def measure(ranks: int) -> dict:
     }
 
 
+# An engine's start, step by step: (what, whose code, statement). Each row is what its statement adds on top of the
+# rows above it; the third-party rows name the import that brings them in (python -X importtime).
+ENGINE_START = (
+    ("ipyparallel engine: IPython, ipykernel, zmq", "ipyparallel", "import ipyparallel.engine.app, ipykernel.ipkernel"),
+    ("torch", "PyTorch", "import torch"),
+    ("torch.distributed.tensor (DTensor; brings sympy)", "PyTorch", "import torch.distributed.tensor"),
+    ("warp (physicsnemo/__init__.py)", "PhysicsNeMo", "import warp"),
+    ("s3fs, aiohttp, botocore (physicsnemo.core.filesystem)", "PhysicsNeMo", "import s3fs"),
+    ("tensordict, torch._dynamo (physicsnemo.distributed.fused_all_reduce)", "PhysicsNeMo", "import tensordict"),
+    ("the rest of physicsnemo.distributed", "PhysicsNeMo", "import physicsnemo.distributed"),
+    ("shardlab.launch (what ENGINE_CONFIG and init_rank import)", "ours", "import shardlab.launch"),
+    ("init_distributed: DistributedManager (1 rank), the series' ShardTensor operators", "ours + PhysicsNeMo",
+     "shardlab.launch.init_distributed(60)"),
+)
+_PRIVATE = """
+def private_mib():
+    total, anonymous = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if not head[0].endswith(":"):  # a mapping's first line: address range, ..., path (none: anonymous)
+                anonymous = len(head) < 6 or head[5] == "[heap]"
+            elif anonymous and head[0] in ("Private_Clean:", "Private_Dirty:"):
+                total += int(head[1])
+    return total / 1024
+"""
+
+
+def engine_start_steps() -> list[dict]:
+    """Private MiB each step of an engine's start adds, measured in one fresh interpreter (CPU, world size 1)."""
+    lines = [_PRIVATE, "import json, os, socket",
+             "with socket.socket() as s:\n    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]",
+             "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', "
+             "MASTER_PORT=str(port))",
+             "rows, last = [], private_mib()"]
+    for what, whose, statement in ENGINE_START:
+        lines += [statement,
+                  f"now = private_mib(); rows.append({{'step': {what!r}, 'whose': {whose!r}, 'mib': now - last}})",
+                  "last = now"]
+    lines.append("shardlab.launch.shutdown_distributed(); print(json.dumps(rows))")
+    out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring an engine's start failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="engines per learner (default 4, as in the notebooks)")
     parser.add_argument("--json", help="also write the measurement to this file")
+    parser.add_argument("--imports", action="store_true", help="also: what each step of an engine's start adds")
     args = parser.parse_args(argv)
     result = measure(args.ranks)
+    if args.imports:
+        result["engine_start"] = engine_start_steps()
     print(f"# memory of one learner: notebook kernel + sl.start_cluster(n={args.ranks}) after init, CPU ranks; "
           f"{result['machine']}")
     print(f"{'process':<26}{'RSS MiB':>10}{'PSS MiB':>10}{'USS MiB':>10}")
@@ -84,6 +140,15 @@ def main(argv=None) -> int:
     print(f"per engine (with its nanny): RSS {result['per_engine_mib']['rss_mib']} MiB, "
           f"PSS {result['per_engine_mib']['pss_mib']} MiB")
     print(f"per learner: PSS {result['per_learner_pss_mib']} MiB (RSS summed: {result['per_learner_rss_mib']} MiB)")
+    if args.imports:
+        print("\n# an engine's private memory (heap + anonymous pages), step by step in a fresh interpreter")
+        print(f"{'step':<84}{'whose':<20}{'MiB':>6}")
+        for row in result["engine_start"]:
+            print(f"{row['step']:<84}{row['whose']:<20}{row['mib']:>6.0f}")
+        by_whose = {}
+        for row in result["engine_start"]:
+            by_whose[row["whose"]] = by_whose.get(row["whose"], 0) + row["mib"]
+        print("total: " + ", ".join(f"{whose} {mib:.0f} MiB" for whose, mib in by_whose.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

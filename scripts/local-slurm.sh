@@ -4,9 +4,13 @@
 #
 #   scripts/local-slurm.sh start    install what is missing (apt-get), configure, start; wait until the node is idle
 #   scripts/local-slurm.sh stop     cancel this Slurm's jobs, stop the daemons this script started
-#   scripts/local-slurm.sh status   exit 0 when this script's Slurm answers and its node is usable
+#   scripts/local-slurm.sh status   exit 0 when this script's Slurm answers and its node is usable (any user; writes
+#                                   nothing); else the reason on stderr, exit 3 for a Slurm this script did not set up
 #
-# Needs root (it writes /etc/slurm/slurm.conf and the munge key, and starts daemons). Idempotent: `start` on a
+# Only `make slurm-start` and `make test-system` (SHARDLAB_SYSTEM_SETUP=1) start it; a plain `make test` asks `status`
+# and uses a Slurm that is already up, nothing more.
+#
+# start/stop need root (they write /etc/slurm/slurm.conf and the munge key, and start daemons). Idempotent: `start` on a
 # running Slurm only checks it. It never touches a Slurm it did not set up: if /etc/slurm/slurm.conf exists
 # without this script's marker line, `start` stops with exit code 3 and changes nothing.
 #
@@ -103,13 +107,19 @@ EOF
     mv "$CONF.tmp" "$CONF"
 }
 
-running() { [ -s "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null; }
+running() { [ -s "$STATE/$1.pid" ] && [ -d "/proc/$(cat "$STATE/$1.pid")" ]; }  # as any user (kill -0 needs root)
 
 node_state() { sinfo -h -N -o %T 2>/dev/null | head -1; }
 
 status() {
-    running slurmctld && running slurmd && grep -qF "$MARKER" "$CONF" 2>/dev/null || return 1
-    case "$(node_state)" in idle*|mixed*|allocated*|completing*) return 0 ;; *) return 1 ;; esac
+    if [ -e "$CONF" ] && ! grep -qF "$MARKER" "$CONF" 2>/dev/null; then
+        log "$CONF was not written by this script: the tests do not submit jobs to that Slurm"; return 3
+    fi
+    running slurmctld && running slurmd || { log "no single-node Slurm (scripts/local-slurm.sh) is running"; return 1; }
+    case "$(node_state)" in
+        idle*|mixed*|allocated*|completing*) return 0 ;;
+        *) log "its node is not usable: $(node_state || true)"; return 1 ;;
+    esac
 }
 
 start() {
@@ -118,7 +128,7 @@ start() {
         die 3 "$CONF exists and was not written by this script: a Slurm is configured here already, so nothing is changed"
     fi
     install -d -m 0755 "$STATE"
-    if status; then log "already running"; return 0; fi
+    if status 2>/dev/null; then log "already running"; return 0; fi
     install_packages
     start_munge
     write_conf

@@ -1,4 +1,4 @@
-"""What tests/test_browser.py needs around the browser: Debian's Chromium and a JupyterLab server on loopback."""
+"""What tests/test_browser.py needs around the browser: a Chromium and a JupyterLab server on loopback."""
 
 import contextlib
 import json
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import machine_changes
+
 CHROMIUM = "/usr/bin/chromium"
 # Playwright's own browser downloads are not reachable from CI; Debian's chromium is. Launched as root in a container,
 # Chromium needs --no-sandbox; the rest keep it off the network and quiet.
@@ -27,12 +29,17 @@ LAB_SETTINGS = {
 }
 
 
-def ensure_chromium() -> str:
-    """Debian's chromium, installed with apt-get when missing (a failed install fails the test, it does not skip)."""
+def find_chromium(playwright) -> str:
+    """The Chromium this machine has: Debian's, else Playwright's own (`playwright install chromium`). Without either,
+    Debian's is installed only when the run may set the machine up (`make test-system`, as root); otherwise the test
+    skips with one line that says how to get one. A failed install fails the test, it does not skip."""
     if Path(CHROMIUM).exists():
         return CHROMIUM
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"{CHROMIUM} missing: install it with `sudo apt-get install -y --no-install-recommends chromium`")
+    if Path(playwright.chromium.executable_path).exists():
+        return playwright.chromium.executable_path
+    if not (machine_changes.setup_allowed() and os.geteuid() == 0 and shutil.which("apt-get")):
+        pytest.skip(f"no Chromium: `sudo apt-get install --no-install-recommends chromium`, or "
+                    f"`{Path(sys.prefix) / 'bin' / 'playwright'} install chromium`, or `sudo make test-system`")
 
     def apt_get(*args: str) -> subprocess.CompletedProcess:
         try:
@@ -49,6 +56,11 @@ def ensure_chromium() -> str:
     assert out.returncode == 0 and Path(CHROMIUM).exists(), (
         f"could not install chromium with apt-get:\n{out.stderr[-2000:]}")
     return CHROMIUM
+
+
+def chromium_environment(folder: Path) -> dict:
+    """Chromium's environment: its crash reports and caches (~/.config/chromium, ~/.cache) in ``folder``."""
+    return os.environ | {"XDG_CONFIG_HOME": str(folder / ".config"), "XDG_CACHE_HOME": str(folder / ".cache")}
 
 
 def _free_port() -> int:
@@ -92,7 +104,11 @@ def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root)
+        # Its config folder (~/.jupyter) and the log of the `npm prefix` it asks (~/.npm/_logs) go to the test's
+        # folder: a test run writes nothing into the home.
+        here = {"JUPYTER_CONFIG_DIR": str(root / ".jupyter-config"), "npm_config_cache": str(root / ".npm")}
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
+                                  env=os.environ | here)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while True:

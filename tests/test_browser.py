@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from browser_support import CHROMIUM_ARGS, ensure_chromium, lab_server
+from browser_support import CHROMIUM_ARGS, chromium_environment, find_chromium, lab_server
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = "09_memory_planner.ipynb"
@@ -33,9 +33,10 @@ RUN_FINISHED = """() => {
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(1800)  # a first run may install chromium with apt-get
+@pytest.mark.timeout(1800)  # `make test-system` may install chromium with apt-get first
 def test_notebook_09_runs_in_jupyterlab_and_its_widget_replans(tmp_path, monkeypatch, no_leftovers):
-    chromium = ensure_chromium()
+    with sync_playwright() as pw:
+        chromium = find_chromium(pw)
     monkeypatch.setenv("SHARDLAB_RANKS", "2")  # the kernel's cluster: two ranks are enough for the live check
     shutil.copy(REPO / "notebooks" / NOTEBOOK, tmp_path)  # outputs land in the copy; the committed one stays clean
     ARTIFACTS.mkdir(exist_ok=True)
@@ -44,7 +45,8 @@ def test_notebook_09_runs_in_jupyterlab_and_its_widget_replans(tmp_path, monkeyp
         old.unlink()
 
     with lab_server(tmp_path, ARTIFACTS / "lab_planner.server.log") as (base, token, api), sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                                     env=chromium_environment(tmp_path))
         page = browser.new_page(viewport={"width": 1600, "height": 1200})
         try:
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")

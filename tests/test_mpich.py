@@ -1,5 +1,5 @@
-"""A real MPICH (Debian's mpich: hydra's mpiexec.mpich, installed by scripts/local-slurm.sh where it can; see
-conftest.py): the smoke CLI on 2 and 4 ranks through the PMI_* mapping, and cluster engines started by it."""
+"""A real MPICH (Debian's mpich: hydra's mpiexec.mpich, where the machine has it or `make test-system` installs it;
+see conftest.py): the smoke CLI on 2 and 4 ranks through the PMI_* mapping, and cluster engines started by it."""
 
 import json
 import subprocess

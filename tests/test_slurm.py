@@ -1,4 +1,5 @@
-"""A real Slurm (scripts/local-slurm.sh starts a single-node one when the machine allows; see conftest.py):
+"""A real Slurm (a single-node one of scripts/local-slurm.sh that is up, or that `make test-system` starts; see
+conftest.py):
 srun runs the smoke CLI, a notebook kernel drives Slurm engines with %%px, a failed start leaves no job,
 engines started inside an allocation are a step of it, and notebooks run unchanged on Slurm engines.
 
