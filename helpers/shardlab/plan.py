@@ -56,7 +56,7 @@ from .launch import (
     clean_environment,
     detect_launch,
     init_distributed,
-    job_environment,
+    run_job,
     shutdown_distributed,
     torchrun_command,
 )
@@ -859,20 +859,17 @@ def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tu
         out = Path(tmp) / "cases.json"
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps(cases))
-        cmd = torchrun_command(gpus, "-m", "shardlab.plan", "--measure", "--cases", str(spec), "--json", str(out))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env=job_environment())
-        if proc.returncode:
-            raise RuntimeError(proc.stderr[-2000:])
+        job = run_job("torchrun", gpus, "shardlab.plan", ["--measure", "--cases", str(spec), "--json", str(out)],
+                      timeout_s=timeout_s)
         measurement = json.loads(out.read_text())
     rows = comparison_table(measurement)
     if not all("peak error" in r for r in rows):
-        return f"no CUDA peak was measured (device {measurement['device']})", False
+        return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
     cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
              f"{fmt_bytes(r['cuda peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
-    ok = all(abs(r["peak error"]) <= 0.10 for r in rows)
-    return "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok
+    ok = job.placement.device == "cuda" and all(abs(r["peak error"]) <= 0.10 for r in rows)
+    return f"on {job.placement.label}: " + "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok
 
 
 # --------------------------------------------------------------------------------------------------------------
