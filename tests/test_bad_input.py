@@ -2,7 +2,6 @@
 than cores, no mpiexec, the wrong kernel. Bad mesh input, on hand-made shapes and on real ranks: test_mesh.py;
 bad launcher variables: test_launch.py; bad cluster arguments: test_cluster.py."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,11 @@ import nbformat
 import pytest
 
 from shardlab import launcher_programs as programs
+from shardlab.devices import usable_cores
 
 
 def test_more_ranks_than_cores_is_explained_then_allowed():
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     assert programs.oversubscription_note(cores, cores) is None
     assert "--oversubscribe" not in programs.mpi_arguments(cores)
     note = programs.oversubscription_note(4, 2)

@@ -12,6 +12,7 @@ import shardlab as sl
 from shardlab import cluster as cl
 from shardlab import engines, launch
 from shardlab import launcher_programs as programs
+from shardlab.devices import usable_cores
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -28,15 +29,15 @@ def test_bad_arguments_say_what_to_change(kwargs, error, match):
 
 def test_more_cuda_engines_than_gpus_says_how_to_get_cpu_ranks():
     gpus = torch.cuda.device_count()
-    with pytest.raises(cl.ClusterError, match=rf"n={gpus + 1} engines with device='cuda', but only {gpus} GPU\(s\) "
-                                              rf"are visible.*device='cpu' for {gpus + 1} CPU ranks"):
+    with pytest.raises(ValueError, match=rf"{gpus + 1} ranks but {gpus} GPU\(s\) visible to them.*device='cpu' for "
+                                         rf"{gpus + 1} CPU ranks"):
         cl.MPICluster(n=gpus + 1, device="cuda")
 
 
 @pytest.mark.parametrize("value, expected", [("2", 2), ("8", 8)])
 def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
     monkeypatch.setenv("SHARDLAB_RANKS", value)
-    assert cl.default_engine_count() == expected
+    assert cl.default_engine_count(0) == expected
     assert cl.MPICluster().n == expected
 
 
@@ -49,7 +50,7 @@ def test_bad_shardlab_ranks_names_the_variable_and_its_value(monkeypatch, value)
 
 def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and_the_override(monkeypatch):
     monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     too_many = 4 * cores + 1
     with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on {cores} CPU core\(s\) is .* more than the 4 this "
                                          rf"series starts \({4 * cores} ranks here\).*SHARDLAB_MAX_RANKS_PER_CORE=5"):
@@ -95,7 +96,7 @@ class _SlowRanks:
 
 
 def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     ranks = cores + 1
     slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
     with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
@@ -214,7 +215,7 @@ def test_mpiexec_engines_run_this_environments_mpiexec_with_its_helpers_on_path(
     assert (launcher.name, launcher.started_by, launcher.expected_method) == ("openmpi", "mpiexec", "openmpi")
     command = launcher.command()
     assert command[0] == programs.find_mpiexec() and command[1:3] == ["--bind-to", "none"]
-    assert ("--oversubscribe" in command) == (4 > (os.cpu_count() or 1)) and launcher.jobs() == []
+    assert ("--oversubscribe" in command) == (4 > usable_cores()) and launcher.jobs() == []
     engine_set = _engine_set(launcher, tmp_path)
     engine_set.n = 4
     args = engine_set.find_args()

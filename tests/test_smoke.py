@@ -15,7 +15,8 @@ def test_single_process_reports_versions_and_device():
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["check"]["ok"] and report["versions"]["nvidia-physicsnemo"]
-    assert report["backend"] == ("nccl" if report["gpus"] else "gloo")
+    assert report["backend"] == ("nccl" if len(report["gpus"]) >= 2 else "gloo")  # one GPU: the cluster is CPU ranks
+    assert report["one_rank_runs_on"] == ("cuda" if report["gpus"] else "cpu")
 
 
 @pytest.mark.multirank

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from shardlab.launch import free_port
 
 TIMEOUT_S = 120
@@ -92,7 +94,8 @@ def test_nccl_workaround_is_in_place_when_the_group_is_created():
         **_single_rank_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "SEEN 2 1" in result.stdout, result.stdout
+    # CleanUpOnly (2): the watchdog aborts the communicator, the engine lives; no blocking wait, so the watchdog exists.
+    assert "SEEN 2 0" in result.stdout, result.stdout
 
 
 def test_shard_ops_still_unregistered_on_cpu_upstream():
@@ -186,3 +189,36 @@ def test_ipykernel_install_still_leaves_an_empty_folder_in_the_temp_folder(tmp_p
     assert [p.name.endswith("_kernels") for p in temp.iterdir()] == [True], (
         "upstream: ipykernel install no longer leaves a tmp*_kernels folder behind: install the kernel without "
         "the temp folder of its own (install_kernel in the Makefile)")
+
+
+def test_physicsnemo_still_puts_a_rank_on_cuda_local_rank():
+    import inspect
+
+    from physicsnemo.distributed import DistributedManager
+
+    source = inspect.getsource(DistributedManager.setup)
+    assert 'f"cuda:{manager.local_rank}"' in source, (
+        "DistributedManager.setup no longer picks cuda:{local_rank}: check whether a rank with one visible GPU and "
+        "local rank 1 (srun --gpus-per-task=1) now gets cuda:0, and if so delete gpu_of_this_rank from "
+        "shardlab/workarounds.py")
+
+
+def test_the_nccl_settings_mean_what_the_docstring_says():
+    """The installed torch's ProcessGroupNCCL: 2 is CleanUpOnly (abort communicators, keep the process), and blocking
+    wait turns the watchdog off; the messages the docstring and tests quote are in the library."""
+    import mmap
+    from pathlib import Path
+
+    import torch
+
+    root = Path(torch.__file__).parent
+    header = (root / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp").read_text()
+    assert "CleanUpOnly = 2" in header and "abort communicators without\n// tearing down process" in header
+    library = root / "lib" / "libtorch_cuda.so"
+    if not library.exists():
+        pytest.skip("a CPU-only build of torch: no NCCL, nothing to check against")
+    with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for text in (b"TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created.",
+                     b"Watchdog caught collective operation timeout: ", b"NCCL communicator was aborted on rank ",
+                     b" Original reason for failure was: ", b"NCCL communicator was aborted after a previous error"):
+            assert data.find(text) >= 0, text

@@ -3,6 +3,7 @@
 Layers, lowest first. A module imports only from layers below its own; ``tests/test_layers.py``
 checks every import, including those inside functions, against this list.
 
+0. ``devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have
 1. ``workarounds`` (upstream bugs), ``report`` (tables), ``procs`` (which processes shardlab started),
    ``launcher_programs`` (where mpiexec and srun are, their flags, job command lines), ``px`` (``%%px`` cells:
    deadline, per-rank error summary)
@@ -25,6 +26,7 @@ needs it.
 import importlib
 
 LAYERS = (
+    ("devices",),
     ("workarounds", "report", "procs", "launcher_programs", "px"),
     ("launch", "engines"),
     ("mesh", "data", "models"),
@@ -42,7 +44,7 @@ _SHORTCUTS = {
     "init_distributed": "launch",
     "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
     "Table": "report", "summarize_rank_errors": "px",
-    "leftover_processes": "procs",
+    "leftover_processes": "procs", "place_ranks": "devices",
 }
 
 

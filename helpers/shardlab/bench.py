@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
+from .devices import place_ranks, usable_cores, visible_gpus
 from .launch import run_job, write_job_result
 from .report import Table
 
@@ -73,8 +73,7 @@ def _on_ranks(name: str) -> None:
 
 def _job(launcher: str, n: int, name: str, device: str):
     """(wall seconds, rank 0's result) of ``--job NAME`` on n ranks of ``device``."""
-    job = run_job(launcher, n, "shardlab.bench", ["--job", name], timeout_s=600,
-                  env={"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})
+    job = run_job(launcher, n, "shardlab.bench", ["--job", name], timeout_s=600, device=device)
     return job.seconds, job.result
 
 
@@ -82,9 +81,9 @@ def run(n: int = 4) -> list[dict]:
     from .cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
 
     rows = []
-    cluster = MPICluster(n=n)  # one engine per GPU where there are enough, else CPU ranks; jobs alike
-    same_work_s, phases = _job("openmpi", n, "same-work", cluster.device)
-    with cluster:
+    device = place_ranks(n, visible_gpus()).device  # the cluster and both jobs alike
+    same_work_s, phases = _job("openmpi", n, "same-work", device)
+    with MPICluster(n=n, device=device) as cluster:
         start_s = cluster.start_seconds
         cluster_phases = cluster.timings
         rank_phases = {k: max(s["phases"][k] for s in cluster.states) for k in cluster.states[0]["phases"]}
@@ -93,7 +92,7 @@ def run(n: int = 4) -> list[dict]:
                     what="run the workload")
         px_wall = time.perf_counter() - t0
         px_workload = max(cluster.view.pull("workload_s"))
-    torchrun_wall, torchrun_workload = _job("torchrun", n, "ddp-steps", cluster.device)
+    torchrun_wall, torchrun_workload = _job("torchrun", n, "ddp-steps", device)
 
     rows.append({"measurement": f"mpiexec -n {n} script: launch + DistributedManager + ShardTensor ops",
                  "value": same_work_s, "unit": "s"})
@@ -124,7 +123,7 @@ def machine() -> str:
 
     gpus = torch.cuda.device_count()
     kind = f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
-    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, {kind}, Python {platform.python_version()}, "
+    return (f"{platform.machine()}, {usable_cores()} CPU cores, {kind}, Python {platform.python_version()}, "
             f"torch {torch.__version__}")
 
 

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ipyparallel as ipp
-import torch
 
 from . import launch, procs
+from .devices import default_ranks, place_ranks, slurm_gpus, usable_cores, visible_gpus
 from .engines import ENGINE_CONFIG, ENGINES, MPIS, EngineLauncher, choice, engine_launcher
 from .launcher_programs import free_port
 from .px import ClusterError, PxCells, wait_for
@@ -45,9 +45,9 @@ CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={
                    f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 
 
-def default_engine_count() -> int:
-    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else one engine per visible GPU
-    when there are two or more, else 4 CPU ranks."""
+def default_engine_count(gpus: int) -> int:
+    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else one engine per GPU when the engines
+    see two or more, else 4 CPU ranks."""
     chosen = os.environ.get("SHARDLAB_RANKS")
     if chosen:
         try:
@@ -58,23 +58,13 @@ def default_engine_count() -> int:
             raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number of ranks, at least 1: set it to the "
                                "number of ranks, e.g. SHARDLAB_RANKS=2, or unset it.")
         return n
-    gpus = torch.cuda.device_count()
-    return gpus if gpus >= 2 else 4
+    return default_ranks(gpus)
 
 
-def cluster_device(n: int, device: str) -> str:
-    """"cpu" or "cuda" for ``n`` engines: "auto" gives one engine per GPU when there are enough GPUs for every
-    engine, else CPU ranks; more CUDA engines than GPUs is refused with both ways out."""
-    gpus = torch.cuda.device_count()
-    if device == "auto":
-        device = "cuda" if 2 <= n <= gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: use 'auto', 'cpu' or 'cuda'.")
-    if device == "cuda" and n > gpus:
-        instead = f"use one engine per GPU (n={gpus}), or" if gpus else "no GPU is visible here: use"
-        raise ClusterError(f"n={n} engines with device='cuda', but only {gpus} GPU(s) are visible: "
-                           f"{instead} device='cpu' for {n} CPU ranks.")  # CPU-only: the advice itself
-    return device
+def engine_gpus(engines: str, n: int, slurm_args: Sequence[str] = ()) -> int:
+    """GPUs ``n`` engines see in all: this machine's for mpiexec engines; for Slurm engines, what their job or this
+    allocation asks for, never the kernel's own count (a login node's kernel sees none)."""
+    return slurm_gpus(n, slurm_args) if engines == "slurm" else visible_gpus()
 
 
 def controller_address(controller_ip: str | None, launcher: EngineLauncher) -> str:
@@ -100,7 +90,7 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
     with rank 0 on loopback at a free port; every rank's state, in rank order."""
     infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
     check_engine_ids(ids, [info.rank for info in infos])
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads = max(1, cores // len(ids))  # ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = view.apply_async(launch.init_rank, rendezvous, timeout_s, threads)
@@ -151,13 +141,14 @@ class MPICluster:
         files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
         engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
         Unset, each is read from its environment variable (module docstring), then the defaults."""
-        self.n = default_engine_count() if n is None else n
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
-        self.device = cluster_device(self.n, device)
         self.engines = choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
         self.mpi = choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
         self.slurm_args = list(slurm_args)
+        self.n = default_engine_count(engine_gpus(self.engines, 4, self.slurm_args)) if n is None else n
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
+        self.placement = place_ranks(self.n, engine_gpus(self.engines, self.n, self.slurm_args), device)
+        self.device = self.placement.device
         self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
         self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
                                                self.slurm_args)
@@ -289,7 +280,8 @@ class MPICluster:
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
                   activate: bool = True, cell_timeout_s: float | None = None, **options) -> MPICluster:
     """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
-    ``%%px`` run on all of them.
+    ``%%px`` run on all of them. ``device``: "auto" (``devices.place_ranks``: CUDA engines when every engine has
+    a GPU, CPU ranks with no GPU or one; more engines than two or more GPUs is refused), "cpu" or "cuda".
 
     ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` on a Slurm cluster (inside an
     allocation srun starts the engines in it; outside, an sbatch job does), or ``mpi="mpich"``. Unset, they

@@ -22,6 +22,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 from ipyparallel.error import EngineError
 
 from . import procs
+from .devices import usable_cores
 from .launcher_programs import (
     check_ranks_per_core,
     find_mpiexec,
@@ -174,7 +175,7 @@ class MpiexecEngines(EngineLauncher):
         return options
 
     def note(self) -> str | None:
-        return oversubscription_note(self.n, os.cpu_count() or 1)
+        return oversubscription_note(self.n, usable_cores())
 
 
 class SrunStepEngines(EngineLauncher):
@@ -246,7 +247,7 @@ def engine_launcher(engines: str, mpi: str, n: int, device: str, job_name: str,
     env = engine_environment(device)
     if engines == "mpi":
         if device == "cpu":
-            check_ranks_per_core(n, os.cpu_count() or 1)
+            check_ranks_per_core(n, usable_cores())
         return MpiexecEngines(n, env, mpi)
     if in_slurm_allocation():
         return SrunStepEngines(n, env, slurm_args)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from . import procs, workarounds
+from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
 # find_mpiexec and torchrun_command are here for callers of sl.launch: notebook 08, and the planner's two launches
 # until they use run_job.
@@ -209,6 +210,7 @@ class JobResult:
     command: list[str]
     stdout: str  # "" when the output was shown rather than kept
     stderr: str
+    placement: Placement  # the device its ranks ran on, and why
 
 
 class JobFailed(RuntimeError):
@@ -221,7 +223,8 @@ class JobFailed(RuntimeError):
 
 
 def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str] = (), *, timeout_s: float,
-            env: Mapping[str, str] | None = None, check: bool = True, show_output: bool = False) -> JobResult:
+            env: Mapping[str, str] | None = None, check: bool = True, show_output: bool = False,
+            device: str = "auto") -> JobResult:
     """Run ``python -m MODULE ARGS...`` (or the script at a path) on ``n`` ranks with ``launcher`` (torchrun,
     openmpi, mpich or slurm, as ``job_command``), wait for it, and return a ``JobResult``.
 
@@ -229,8 +232,9 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     named in the job's environment, so the module needs no option for it); ``JobResult.result`` is that value,
     parsed. Environment: this one without any launcher's variables (``clean_environment``), rank 0 on loopback
     on a free port, ``mpi_environment()``, one thread per core share unless OMP_NUM_THREADS is set, no GPU when
-    there are fewer GPUs than ranks (the job then runs on CPU ranks, at most ``check_ranks_per_core`` allows),
-    then ``env``.
+    its ranks run on CPU (``device``, as ``devices.place_ranks`` decides from the GPUs the ranks see: CUDA ranks
+    when every rank has a GPU; then at most ``check_ranks_per_core`` CPU ranks), then ``env``. The result's
+    ``placement`` says what ran.
 
     Always cleans up: the job's log folder (torchrun's logs, OpenMPI's session folder, the result file) is
     removed, and on time-out or interruption its whole process group is stopped (``procs.run_process_group``);
@@ -238,14 +242,13 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     JobFailed, with stderr's end; with ``check=False`` it returns instead when the job wrote a result (a check that
     failed on some rank, reported, and the exit code says so). ``show_output``: the job's output goes to this
     process's stdout and stderr as it comes (a command-line tool) instead of into ``JobResult``."""
-    import torch  # here, not at the top: see init_distributed
-
     program = [str(module)] if isinstance(module, os.PathLike) or str(module).endswith(".py") else ["-m", module]
     what = f"{launcher} job of {n} rank(s) running {module}"
-    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < n else {}
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, usable_cores() // n))}
+    placement = place_ranks(n, slurm_gpus(n) if launcher == "slurm" else visible_gpus(), device)
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if placement.device == "cpu" else {}
     if hidden and launcher != "slurm":  # CPU ranks on this machine
-        check_ranks_per_core(n, os.cpu_count() or 1)
+        check_ranks_per_core(n, usable_cores())
     with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
@@ -260,7 +263,7 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         raise JobFailed(f"{what} failed (exit code {proc.returncode}"
                         + ("" if result is not None else ", no result written") + f"). stderr:\n{proc.stderr[-3000:]}",
                         proc.returncode, result)
-    return JobResult(result, proc.returncode, seconds, cmd, proc.stdout, proc.stderr)
+    return JobResult(result, proc.returncode, seconds, cmd, proc.stdout, proc.stderr, placement)
 
 
 # -- on every rank ----------------------------------------------------------------------------
@@ -301,15 +304,15 @@ def _rank_process_settings(timeout: timedelta) -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated", category=FutureWarning)
 
 
-def _check_gpu_binding(info: LaunchInfo) -> None:
-    import torch
-
-    if torch.cuda.is_available() and info.local_rank >= torch.cuda.device_count():
-        raise LaunchError(
-            f"rank {info.rank} has local rank {info.local_rank}, but this node has only "
-            f"{torch.cuda.device_count()} visible GPU(s). Start one process per GPU "
-            f"(e.g. torchrun --nproc-per-node={torch.cuda.device_count()})."
-        )
+def rank_gpu(info: LaunchInfo, gpus: int) -> int | None:
+    """The index of the GPU this rank uses among the ``gpus`` it sees (None without a GPU): ``devices.gpu_index``,
+    a LaunchError naming the rank when it has none."""
+    if not gpus:
+        return None
+    try:
+        return gpu_index(info.local_rank, gpus)
+    except DeviceError as error:
+        raise LaunchError(f"rank {info.rank}: {error}") from None
 
 
 def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> DistributedState:
@@ -330,7 +333,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         timeout = timedelta(seconds=float(timeout))
     info = detect_launch()
     if not DistributedManager.is_initialized():
-        _check_gpu_binding(info)
+        gpu = rank_gpu(info, visible_gpus())
         _rank_process_settings(timeout)
         if info.launcher == "mpich":
             os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
@@ -342,7 +345,8 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         with warnings.catch_warnings():
             # Single-process runs make PhysicsNeMo warn that no launcher was found; we report that ourselves.
             warnings.filterwarnings("ignore", message="Could not initialize using ENV")
-            with workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise():
+            with (workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise(),
+                  workarounds.gpu_of_this_rank(gpu)):
                 DistributedManager.initialize()
         phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
         workarounds.no_cross_rank_autograd_cache()
@@ -355,7 +359,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
     # DistributedManager only stores the method for multi-process runs.
     method = getattr(manager, "_initialization_method", None) if backend else None
     return DistributedState(
-        launcher=info.launcher, method=method, rank=manager.rank, local_rank=manager.local_rank,
+        launcher=info.launcher, method=method, rank=manager.rank, local_rank=info.local_rank,
         world_size=manager.world_size, device=str(manager.device), backend=backend,
         timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(), phases=phases,
     )

@@ -1,7 +1,8 @@
 """Launcher programs on this machine: where mpiexec (OpenMPI's, MPICH's) and srun are, the flags and
 environment they need here, a free port for rank 0, and the command line that runs a program on n ranks.
 
-No shardlab imports: ``launch`` runs jobs with these command lines, ``engines`` starts the engines' mpiexec or srun.
+Imports only ``devices`` (cores): ``launch`` runs jobs with these command lines, ``engines`` starts the engines'
+mpiexec or srun.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+
+from .devices import usable_cores
 
 
 class LaunchError(RuntimeError):
@@ -96,7 +99,7 @@ def mpi_session_environment(folder: str | os.PathLike) -> dict[str, str]:
 def mpi_arguments(n: int) -> list[str]:
     """mpiexec flags for n local ranks: no core pinning, and oversubscription only when n > cores."""
     args = ["--bind-to", "none"]  # pinned ranks would pile onto the same cores
-    if n > (os.cpu_count() or 1):
+    if n > usable_cores():
         args.append("--oversubscribe")
     return args
 

@@ -102,6 +102,21 @@ class DevicePeak:
 
 
 @contextlib.contextmanager
+def fp32_precision(precision: str):
+    """Inside ``with``: fp32 matmuls and cuDNN convolutions in ``precision`` ("ieee": full fp32, "tf32"), restored on
+    exit. Only the ``fp32_precision`` API: torch 2.14 raises about "a mix of the legacy and new APIs" when the
+    legacy ``allow_tf32`` flags are read after anything set the new one (the flags exist without a GPU)."""
+    flags = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
+    saved = [flag.fp32_precision for flag in flags]
+    for flag in flags:
+        flag.fp32_precision = precision
+    try:
+        yield
+    finally:
+        for flag, before in zip(flags, saved):
+            flag.fp32_precision = before
+
+
 def strict_fp32():
     """Inside ``with``: full fp32 matmuls and convolutions (no TF32), restored on exit.
 
@@ -109,12 +124,7 @@ def strict_fp32():
     assert at 1e-5 between a sharded and a single-device result would compare TF32 rounding. CPUs
     have no TF32, so the same cell runs unchanged on CPU ranks.
     """
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    return fp32_precision("ieee")
 
 
 class SavedActivations:
@@ -324,11 +334,39 @@ def compile_speed_table(args) -> dict:
             "rank": 0, "world_size": 1, "backend": None, "device": str(device), "rows": rows}
 
 
+def tf32_error_table(args) -> dict:
+    """One process: relative error of a conv stack's fp32 forward against the same model in fp64, with TF32 allowed
+    and inside ``strict_fp32``: what TF32 costs, and that ``strict_fp32`` removes it."""
+    device = default_device()
+    model = conv_stack(width=args.width, layers=args.layers, seed=0).to(device)
+    reference_model = conv_stack(width=args.width, layers=args.layers, seed=0).to(device).double()
+    x = torch.randn(1, 1, 64, 64, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        reference = reference_model(x.double())
+        errors = {}
+        for precision in ("tf32", "ieee"):
+            with fp32_precision(precision):
+                errors[precision] = ((model(x).double() - reference).norm() / reference.norm()).item()
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    rows = [{"tf32_relative_error": errors["tf32"], "strict_fp32_relative_error": errors["ieee"],
+             "tf32_hardware": capability is not None and capability >= (8, 0)}]  # TF32 came with Ampere (sm_80)
+    return {"title": f"TF32 error, one process, conv_stack(width={args.width}, layers={args.layers}) on 1x1x64x64, "
+                     "fp32 forward against fp64" + ("" if device.type == "cuda" else "; CPU: no TF32, not a GPU claim"),
+            "rank": 0, "world_size": 1, "backend": None, "device": str(device), "rows": rows}
+
+
 TABLES = {
     "activation-memory": (activation_memory_table, 4, {"sizes": [1, 2, 4], "width": 16, "layers": 3}),
     "state-memory": (state_memory_table, 4, {"sizes": [1, 2, 4], "width": 64, "layers": 4}),
     "compile-speed": (compile_speed_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
+    "tf32-error": (tf32_error_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
 }
+
+
+def job_ranks(names: list[str], sizes: list[int] | None) -> int:
+    """Ranks the job for the tables ``names`` starts: the largest size asked for (``--sizes 1``: one rank, which
+    one GPU can run), else the most any table's defaults need."""
+    return max(sizes) if sizes else max(max(TABLES[n][1], *TABLES[n][2]["sizes"]) for n in names)
 
 
 def format_table(report: dict) -> Table:
@@ -362,7 +400,7 @@ def main(argv=None) -> int:
         options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("width", "layers", "kernel_size", "timeout") and v is not None]
         options += ["--sizes", *map(str, args.sizes)] if args.sizes else []
-        ranks = max(max(TABLES[n][1], *(args.sizes or TABLES[n][2]["sizes"])) for n in on_ranks)
+        ranks = job_ranks(on_ranks, args.sizes)
         try:
             job = run_job("torchrun", ranks, "shardlab.measure", [*on_ranks, *options], timeout_s=900,
                           show_output=True)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from .devices import default_ranks, place_ranks, usable_cores
 from .launch import (
     LaunchError,
     default_device,
@@ -46,13 +47,16 @@ def machine_facts() -> dict:
         except PackageNotFoundError:
             versions[name] = None
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    cluster = place_ranks(default_ranks(len(gpus)), len(gpus))
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu_cores": os.cpu_count(),
+        "cpu_cores": usable_cores(),
         "cuda_available": torch.cuda.is_available(),
         "gpus": gpus,
-        "backend": "nccl" if gpus and torch.distributed.is_nccl_available() else "gloo",
+        "one_rank_runs_on": place_ranks(1, len(gpus)).device,
+        "cluster_runs_on": f"{cluster.label}: {cluster.why}",
+        "backend": "nccl" if cluster.device == "cuda" and torch.distributed.is_nccl_available() else "gloo",
         "versions": versions,
     }
 
@@ -166,9 +170,10 @@ GPU_PATH_STATUS = "GPU path: not yet run on GPUs"
 # CPU ranks rehearse the program; GPUs prove what only they can. (claim, what proves it, GPUs needed)
 CLAIMS = [
     ("placements, shapes, halos, gradients, byte counts", "the same program on CPU ranks (gloo): carries over", 0),
-    ("device placement: tensors, models and meshes on each rank's GPU", "CUDA ranks", 1),
-    ("GPU memory per rank (CUDA allocator peaks)", "CUDA ranks", 1),
-    ("numerics with TF32 convolutions and matmuls", "CUDA ranks", 1),
+    ("device placement: tensors and models on the rank's GPU", "one CUDA rank (every notebook: 2+ GPUs)", 1),
+    ("GPU memory per rank (CUDA allocator peaks)", "the memory tables on CUDA ranks (N=1 on one GPU)", 1),
+    ("the TF32 error, and strict_fp32 removing it", "one CUDA rank", 1),
+    ("compiled vs eager step time", "one CUDA rank", 1),
     ("NCCL: one rank per GPU, errors instead of hangs", "2+ GPUs", 2),
     ("speed-ups from more ranks", "2+ GPUs", 2),
 ]

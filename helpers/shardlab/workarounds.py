@@ -32,23 +32,38 @@ def cpu_safe_process_group_init(timeout: timedelta):
         yield
 
 
+# What NCCL error handling is set to when a group is created (read by ProcessGroupNCCL's constructor).
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+
+
 @contextlib.contextmanager
 def nccl_errors_raise():
-    """Make a collective that a rank never joins raise after the group's timeout on NCCL, as it does on gloo.
+    """Make a collective that a rank never joins end in an error after the group's timeout on NCCL, not a hang.
 
     Upstream: physicsnemo/distributed/manager.py (2.2.2), ``DistributedManager.initialize()`` runs
-    ``os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"`` just before it creates the process group,
-    so NCCL's watchdog never aborts a collective that timed out, and the ranks waiting in it hang.
-    After that line and before the group exists (the variables are read when a group is created),
-    this sets TORCH_NCCL_BLOCKING_WAIT=1 (the calling thread waits at most the timeout, then raises
-    in the rank's own code) and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the watchdog aborts the
-    communicator without killing the process, so a ``%%px`` cell reports the error). The price:
-    every NCCL collective waits on the host. gloo reads neither variable.
+    ``os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"`` just before it creates the process group:
+    ``NoHandling`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, ``enum ErrorHandlingMode``), so a
+    collective that timed out is never aborted and the ranks waiting in it hang. After that line and before the
+    group exists (the variables are read when a group is created), this sets NCCL_ERROR_HANDLING:
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, ``CleanUpOnly``: "just clean up collectives and abort communicators
+      without tearing down process" (the same header). The engine survives, so a ``%%px`` cell can report it.
+    - ``TORCH_NCCL_BLOCKING_WAIT=0``: with blocking wait on, torch creates no watchdog thread
+      (libtorch_cuda.so logs "TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created."); only
+      a ``wait()`` would then be timed, work completed through futures (DDP's reducer) would hang, and every
+      collective would block the host (FSDP2 would lose its overlap).
+
+    Which failure raises where, on NCCL: the watchdog notices a collective that outlived the timeout ("Watchdog
+    caught collective operation timeout: ... ran for N milliseconds before timing out.") and aborts the
+    communicator. The rank's own thread is not interrupted: a result it syncs on (``.item()``) is garbage, and its
+    next collective on that group raises "NCCL communicator was aborted on rank N. Original reason for failure
+    was: Watchdog caught collective operation timeout: ..." (later ones: "NCCL communicator was aborted after a
+    previous error"). Restart the ranks after that. gloo reads neither variable: its collective itself raises
+    "Timed out waiting Nms" after the timeout.
     """
 
     def adjust(_kwargs):
-        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        os.environ.update(NCCL_ERROR_HANDLING)
 
     with _init_process_group_adjusted(adjust):
         yield
@@ -71,6 +86,32 @@ def _init_process_group_adjusted(adjust):
         yield
     finally:
         dist.init_process_group = original
+
+
+@contextlib.contextmanager
+def gpu_of_this_rank(gpu: int | None):
+    """Let ``DistributedManager.initialize()`` put this rank on GPU ``gpu`` of those it sees (``devices.gpu_index``).
+
+    Upstream: PhysicsNeMo 2.2.2's ``DistributedManager.setup`` uses ``cuda:{local_rank}``. With one visible GPU
+    per process (Slurm's ``--gpus-per-task=1``, a CUDA_VISIBLE_DEVICES slice per rank) a rank of local rank 1
+    asks for ``cuda:1``, which does not exist: its only GPU is ``cuda:0``. This passes the GPU's index as the local
+    rank ``setup`` uses for the device (and for its barrier's ``device_ids``); the launcher's own local rank is
+    still what ``launch.detect_launch`` reports. ``None`` (no GPU) changes nothing.
+    """
+    from physicsnemo.distributed import DistributedManager
+
+    original = DistributedManager.__dict__["setup"]
+
+    def setup(*args, **kwargs):
+        if gpu is not None:
+            kwargs["local_rank"] = gpu
+        return original.__func__(*args, **kwargs)
+
+    DistributedManager.setup = staticmethod(setup)
+    try:
+        yield
+    finally:
+        DistributedManager.setup = original
 
 
 def no_cross_rank_autograd_cache() -> None:

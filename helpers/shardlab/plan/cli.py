@@ -111,7 +111,7 @@ def _print_comparison(measurement: dict) -> None:
 def _measure_main(args) -> int:
     cases = json.loads(Path(args.cases).read_text()) if args.cases else None
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
-        measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800)
+        measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800).result
         _print_comparison(measurement)
         if args.json:
             Path(args.json).write_text(json.dumps(measurement, indent=1))

@@ -220,13 +220,13 @@ def comparison_table(measurement: dict) -> list[dict]:
     return rows
 
 
-def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0) -> dict:
+def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0):
     """Start ``n`` ranks (torchrun, through ``launch.run_job``) that measure ``cases`` (default:
-    ``series_cases(n)``); their measurement, from rank 0."""
+    ``series_cases(n)``); the job, whose ``.result`` is rank 0's measurement and ``.placement`` says where it ran."""
     with tempfile.TemporaryDirectory(prefix="shardlab-plan-") as tmp:
         spec = Path(tmp) / "cases.json"
         spec.write_text(json.dumps(cases or series_cases(n)))
-        return run_job("torchrun", n, "shardlab.plan", ["--measure", "--cases", str(spec)], timeout_s=timeout_s).result
+        return run_job("torchrun", n, "shardlab.plan", ["--measure", "--cases", str(spec)], timeout_s=timeout_s)
 
 
 def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
@@ -237,12 +237,13 @@ def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tu
         for wrapper in ("ddp", "fsdp2"):
             cases.append({"name": f"{field_size}^2 N={n} {wrapper}", "model": {"width": 16, "layers": 3},
                           "domain": n, "ddp": gpus // n, "wrapper": wrapper, "field": [1, 1, field_size, field_size]})
-    measurement = measure_on_ranks(gpus, cases, timeout_s)
+    job = measure_on_ranks(gpus, cases, timeout_s)
+    measurement = job.result
     rows = comparison_table(measurement)
     if not all("peak error" in r for r in rows):
-        return f"no CUDA peak was measured (device {measurement['device']})", False
+        return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
     cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
              f"{fmt_bytes(r['cuda peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
-    ok = all(abs(r["peak error"]) <= 0.10 for r in rows)
-    return "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok
+    ok = job.placement.device == "cuda" and all(abs(r["peak error"]) <= 0.10 for r in rows)
+    return f"on {job.placement.label}: " + "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok
