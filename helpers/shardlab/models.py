@@ -35,8 +35,9 @@ class UNet(torch.nn.Module):
 
     Each level halves the field; with ``levels=5`` a 64×64 field reaches 4×4, where a second convolution
     lets every output pixel see the whole field (the pressure of a Darcy field depends on all of its
-    permeability). Each shard's rows must stay divisible by 2 at every level: 64 rows over 2 domain ranks
-    reach 2 rows at the bottom, over 4 ranks 1 row.
+    permeability). Each shard's rows must stay even at every level (pooling), and at least 2 at the bottom
+    (bilinear interpolation takes a 2-row halo): 64 rows over 2 domain ranks reach 2 rows at the bottom with
+    5 levels; over 4 ranks use ``levels=4``.
     """
 
     def __init__(self, width: int = 16, levels: int = 5, max_width: int = 64):
