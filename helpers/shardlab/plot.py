@@ -295,9 +295,9 @@ def _field_panel(ax, field, title, row_split, **imshow):
     image = ax.imshow(field, origin="upper", interpolation="nearest", **imshow)
     ax.figure.colorbar(image, cax=ax.inset_axes([1.03, 0.0, 0.05, 1.0]))
     if row_split is not None:
-        ax.axhline(row_split - 0.5, color="white", linestyle="--", linewidth=1.2, gid="row split")
-        ax.text(1, row_split - 1.5, "rank 0 rows ↑", color="white", fontsize=7, va="bottom")
-        ax.text(1, row_split + 0.5, "rank 1 rows ↓", color="white", fontsize=7, va="top")
+        ax.axhline(row_split - 0.5, color="black", linestyle="--", linewidth=1.2, gid="row split")
+        ax.text(1, row_split - 2, "rank 0 rows ↑", fontsize=7, va="bottom", bbox=_LABEL_BOX)
+        ax.text(1, row_split + 1, "rank 1 rows ↓", fontsize=7, va="top", bbox=_LABEL_BOX)
     ax.set_title(title, fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
