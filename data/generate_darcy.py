@@ -8,7 +8,7 @@ Jacobi-preconditioned conjugate gradient in float64; arrays are stored as float3
 Permeability follows the FNO Darcy benchmark: a Gaussian random field with covariance
 (-Laplacian + tau^2)^(-alpha), tau = 3, alpha = 2, mean mode removed, thresholded at 0 to 12 / 3.
 
-    python data/generate_darcy.py [--out data/darcy2d.npz] [--samples 32] [--size 64] [--seed 0]
+    python data/generate_darcy.py [--out data/darcy2d.npz] [--samples 256] [--size 64] [--seed 0]
 
 Only numpy is needed. See data/README.md.
 """
@@ -77,7 +77,7 @@ def solve_pressure(k: np.ndarray, h: float, forcing: float = FORCING, rtol: floa
     raise RuntimeError("conjugate gradient did not converge")
 
 
-def generate(samples: int = 32, size: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
+def generate(samples: int = 256, size: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
     """The dataset as a dict of arrays; the first n samples do not depend on `samples` (one RNG stream)."""
     if samples < 1 or size < 3:
         raise ValueError(f"need samples >= 1 and size >= 3, got samples={samples}, size={size}")
@@ -103,7 +103,7 @@ def generate(samples: int = 32, size: int = 64, seed: int = 0) -> dict[str, np.n
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output .npz (default: %(default)s)")
-    parser.add_argument("--samples", type=int, default=32, help="number of samples (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=256, help="number of samples (default: %(default)s)")
     parser.add_argument("--size", type=int, default=64, help="grid nodes per side (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args(argv)

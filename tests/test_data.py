@@ -45,9 +45,10 @@ def relative_residual(k, p, h, f):
     return np.linalg.norm(lhs - f) / (f * np.sqrt(lhs.size))
 
 
-def test_file_exists_and_is_small():
+def test_file_exists_and_is_small_and_holds_a_training_set():
     assert DATA_FILE.is_file(), "run: python data/generate_darcy.py"
     assert DATA_FILE.stat().st_size <= 5 * 1024**2
+    assert len(sldata.load_darcy(split="train")["pressure"]) >= 200  # the capstone's 100 steps × 2 see 200
 
 
 def test_shapes_dtypes_and_values(stored):
@@ -94,6 +95,31 @@ def test_load_darcy_shapes_and_metadata(stored):
     assert sldata.load_darcy()["pressure"].shape[0] == len(stored["pressure"])
     with pytest.raises(ValueError, match="samples must be between"):
         sldata.load_darcy(samples=len(stored["pressure"]) + 1)
+
+
+def test_the_held_out_split_is_the_first_samples_and_never_in_the_training_split(stored):
+    held, train = sldata.load_darcy(split="held-out"), sldata.load_darcy(split="train")
+    assert len(held["pressure"]) == sldata.HELD_OUT
+    assert len(train["pressure"]) == len(stored["pressure"]) - sldata.HELD_OUT
+    assert torch.equal(held["pressure"][:, 0], torch.from_numpy(stored["pressure"][: sldata.HELD_OUT]))
+    assert torch.equal(train["pressure"][:, 0], torch.from_numpy(stored["pressure"][sldata.HELD_OUT :]))
+    # no held-out field is also a training field (a duplicate would leak it into training)
+    train_fields = {field.numpy().tobytes() for field in train["permeability"][:, 0]}
+    assert not any(field.numpy().tobytes() in train_fields for field in held["permeability"][:, 0])
+    assert torch.equal(sldata.load_darcy(samples=3, split="train")["pressure"], train["pressure"][:3])
+    with pytest.raises(ValueError, match="split='test'"):
+        sldata.load_darcy(split="test")
+    with pytest.raises(ValueError, match="samples must be between 1 and 32 for the 'held-out' split"):
+        sldata.load_darcy(samples=33, split="held-out")
+
+
+def test_a_file_too_small_to_split_says_how_to_regenerate(tmp_path):
+    small = tmp_path / "small.npz"
+    np.savez(small, permeability=np.ones((sldata.HELD_OUT, 4, 4), np.float32),
+             pressure=np.ones((sldata.HELD_OUT, 4, 4), np.float32))
+    assert len(sldata.load_darcy(small)["pressure"]) == sldata.HELD_OUT  # the whole file still loads
+    with pytest.raises(ValueError, match="default --samples"):
+        sldata.load_darcy(small, split="train")
 
 
 def test_load_darcy_missing_file_says_how_to_regenerate(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The memory planner: predictions made on the meta device, checked against this series' own measured ranks.
 
 Unit tests check the mechanics (halo rows, uneven shards, FSDP2 shards, the verdict, the command line) without a
-rank. The multirank test runs ONE torchrun job of 4 CPU ranks that measures every case (notebooks 04, 05 and 07's
+rank. The multirank test runs ONE torchrun job of 4 CPU ranks that measures every case (notebooks 04 and 05's
 model; N = 1, 2, 4 on the domain axis; DDP and FSDP2) and asserts each rank's predicted bytes within 5 % of the
 measured byte accounting. The GPU test compares the predicted peak with ``max_memory_allocated`` (10 %).
 """
@@ -289,7 +289,7 @@ def test_predictions_match_the_measured_ranks_within_5_percent(tmp_path, no_left
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     measurement = json.loads(out.read_text())
     names = {c["name"] for c in measurement["cases"]}
-    for notebook in ("04", "05", "07"):
+    for notebook in ("04", "05"):
         for n in (1, 2, 4):
             for wrapper in ("ddp", "fsdp2"):
                 assert f"nb{notebook} N={n} {wrapper}" in names

@@ -176,3 +176,56 @@ def test_figures_render_and_use_the_given_axes():
     for f in (fig, plot.rank_grid([[0, 1], [2, 3]]), plot.shard_map(np.ones((4, 4)), mesh.shard_bounds(4, 2))):
         f.canvas.draw()  # the whole artist tree renders under Agg
     assert axes[0].patches and axes[1].patches  # both panels drew into the given axes
+
+
+def _dashboard(**kwargs):
+    yy, xx = np.mgrid[0:64, 0:64] / 63
+    truth = np.sin(np.pi * yy) * np.sin(np.pi * xx)
+    prediction = truth + 0.01 * np.cos(9 * xx)
+    losses = [0.5 / (step + 1) for step in range(10)]
+    held_out = {step: {"loss": 0.6 / (step + 1), "relative L2": 1.2 / (step + 1)} for step in (0, 5, 10)}
+    return truth, prediction, plot.training_dashboard(truth, prediction, losses, held_out, **kwargs)
+
+
+def test_training_dashboard_shows_the_held_out_sample_and_the_curves():
+    truth, prediction, fig = _dashboard(row_split=32, checkpoint_at=8, bound=0.25, title="run")
+    fields = [ax for ax in fig.axes if ax.images and ax.get_title()]
+    assert [ax.get_title().split(" (")[0] for ax in fields] == ["pressure, truth", "pressure, prediction",
+                                                                 "prediction − truth"]
+    np.testing.assert_array_equal(fields[0].images[0].get_array(), truth)
+    np.testing.assert_array_equal(fields[2].images[0].get_array(), prediction - truth)
+    # truth and prediction on one colour scale, the error on a symmetric one
+    assert fields[0].images[0].get_clim() == fields[1].images[0].get_clim() == (truth.min(), truth.max())
+    low, high = fields[2].images[0].get_clim()
+    assert -low == high > 0
+    expected = np.linalg.norm(prediction - truth) / np.linalg.norm(truth)
+    assert f"relative L2 {expected:.3f}" in fields[2].get_title()
+    assert all(any(line.get_gid() == "row split" for line in ax.get_lines()) for ax in fields)
+
+    loss_ax = next(ax for ax in fig.axes if ax.get_ylabel() == "mean squared error")
+    curves = {line.get_label(): line for line in loss_ax.get_lines() if not line.get_label().startswith("_")}
+    assert list(curves["training loss (each step)"].get_xdata()) == list(range(1, 11))
+    assert list(curves["held-out loss (never trained on)"].get_xdata()) == [0, 5, 10]
+    error_ax = next(ax for ax in fig.axes if ax.get_ylabel() == "relative L2 error")
+    held = next(line for line in error_ax.get_lines() if list(line.get_xdata()) == [0, 5, 10])
+    assert list(held.get_ydata()) == [1.2 / (step + 1) for step in (0, 5, 10)]
+    assert any(list(line.get_ydata()) == [0.25, 0.25] for line in error_ax.get_lines())  # the bound
+    assert all(any(line.get_gid() == "checkpoint" for line in ax.get_lines()) for ax in (loss_ax, error_ax))
+
+
+def test_training_dashboard_colour_bars_sit_beside_their_panels():
+    _, _, fig = _dashboard()
+    fig.canvas.draw()
+    fields = [ax for ax in fig.axes if ax.images]
+    assert len(fields) == 3
+    for panel in fields:
+        box = panel.get_window_extent()
+        (bar,) = [child.get_window_extent() for child in panel.child_axes]  # the colour bar, one per panel
+        gap = (bar.x0 - box.x1) / fig.bbox.width
+        assert 0 <= gap < 0.02, gap  # right of the panel, touching distance
+        assert bar.y0 == pytest.approx(box.y0, abs=1) and bar.y1 == pytest.approx(box.y1, abs=1)  # as tall
+
+
+def test_training_dashboard_refuses_fields_of_other_shapes():
+    with pytest.raises(ValueError, match="one shape"):
+        plot.training_dashboard(np.zeros((4, 4)), np.zeros((4, 5)), [1.0], {0: {"loss": 1.0, "relative L2": 1.0}})

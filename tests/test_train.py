@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardlab import train
+from shardlab.data import load_darcy
 from shardlab.launch import run_job
 
 
@@ -15,10 +16,38 @@ def test_unknown_wrapper_names_the_choices_and_rules_out_fsdp1():
         train.wrap(torch.nn.Linear(2, 2), mesh=None, how="fsdp1")
 
 
-def test_normalized_darcy_is_order_one():
-    x, y = train.normalized_darcy(samples=4)
-    assert x.shape == y.shape == (4, 1, 64, 64)
-    assert abs(x.mean().item()) < 0.2 and 0.5 < x.std().item() < 1.5 and y.abs().max().item() == pytest.approx(1.0)
+def test_normalized_darcy_scales_every_split_with_the_training_statistics():
+    x, y = train.normalized_darcy()
+    assert x.shape[1:] == y.shape[1:] == (1, 64, 64)
+    assert abs(x.mean().item()) < 1e-4 and x.std().item() == pytest.approx(1.0, rel=1e-4)
+    assert y.abs().max().item() == pytest.approx(1.0)
+    first_x, first_y = train.normalized_darcy(samples=4)
+    assert torch.equal(first_x, x[:4]) and torch.equal(first_y, y[:4])
+    held_x, held_y = train.normalized_darcy(split="held-out")
+    raw = load_darcy(split="held-out")
+    scale = load_darcy(split="train")["pressure"].abs().max()
+    torch.testing.assert_close(held_y * scale, raw["pressure"])  # the training maximum, not the held-out one
+    assert not torch.equal(held_x, (raw["permeability"] - raw["permeability"].mean()) / raw["permeability"].std())
+
+
+def test_sample_index_goes_round_the_training_set():
+    assert [train.sample_index(step, 2, replica, 5) for step in range(3) for replica in range(2)] == [0, 1, 2, 3, 4, 0]
+
+
+def test_decayed_lr_falls_in_a_straight_line():
+    assert [train.decayed_lr(2.0, step, 4) for step in range(4)] == [2.0, 1.5, 1.0, 0.5]
+
+
+def test_evaluate_a_perfect_a_half_and_a_zero_model():
+    x = torch.randn(3, 1, 8, 8)
+    model = torch.nn.Conv2d(1, 1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    assert train.evaluate(model, x, x) == pytest.approx({"loss": 0.0, "relative L2": 0.0}, abs=1e-7)
+    assert train.evaluate(model, x, 2 * x) == pytest.approx({"loss": (x**2).mean().item(), "relative L2": 0.5})
+    with torch.no_grad():
+        model.weight.zero_()
+    assert train.evaluate(model, x, x)["relative L2"] == pytest.approx(1.0)
 
 
 def test_one_process_reference_is_deterministic():

@@ -1,5 +1,9 @@
 """Data layer: the small 2-D Darcy dataset in data/darcy2d.npz, loaded as Conv2d-ready tensors.
 
+The first ``HELD_OUT`` samples of the file are held out: the capstone measures its error on them, and no
+training run sees them (``split="train"`` starts after them). The generator draws samples one after another
+from one seed, so a larger file holds the same held-out samples and more training ones.
+
 Introduced in ``notebooks/03_scatter_and_shardtensor.ipynb``.
 """
 
@@ -14,6 +18,8 @@ import torch
 
 DARCY_FILE = "darcy2d.npz"
 FIELDS = ("permeability", "pressure")
+HELD_OUT = 32  # the first samples of the file
+SPLITS = ("all", "train", "held-out")
 
 
 def data_dir() -> Path:
@@ -26,26 +32,35 @@ def data_dir() -> Path:
     return Path(override) if override else Path(str(resources.files("shardlab") / "datasets"))
 
 
-def load_darcy(path: str | os.PathLike | None = None, samples: int | None = None) -> dict:
+def load_darcy(path: str | os.PathLike | None = None, samples: int | None = None, split: str = "all") -> dict:
     """Permeability and pressure as float32 tensors of shape (N, 1, H, W), plus the metadata as Python values.
 
-    ``samples`` keeps only the first N samples.
+    ``split``: "all" the samples of the file, "held-out" the first ``HELD_OUT``, "train" the rest.
+    ``samples`` keeps only the first N samples of the split.
     """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {SPLITS}.")
     path = Path(path) if path is not None else data_dir() / DARCY_FILE
     if not path.is_file():
         raise FileNotFoundError(
-            f"Darcy dataset not found at {path}. Regenerate it (numpy only, about a second) from the repository root "
+            f"Darcy dataset not found at {path}. Regenerate it (numpy only, a few seconds) from the repository root "
             f"with:  python data/generate_darcy.py --out {path}"
         )
     with np.load(path, allow_pickle=False) as npz:
         arrays = {name: npz[name] for name in npz.files}
     n = len(arrays["pressure"])
-    if samples is not None and not 1 <= samples <= n:
-        raise ValueError(f"samples must be between 1 and {n} for {path}, got {samples}")
+    if split != "all" and n <= HELD_OUT:
+        raise ValueError(f"{path} has {n} samples: a split needs more than the {HELD_OUT} held out. Regenerate it "
+                         "with the default --samples.")
+    first, stop = {"all": (0, n), "held-out": (0, HELD_OUT), "train": (HELD_OUT, n)}[split]
+    available = stop - first
+    if samples is not None and not 1 <= samples <= available:
+        raise ValueError(f"samples must be between 1 and {available} for the {split!r} split of {path}, got {samples}")
+    stop = first + (samples if samples is not None else available)
     out = {}
     for name, value in arrays.items():
         if name in FIELDS:
-            out[name] = torch.from_numpy(value[:samples].astype(np.float32)).unsqueeze(1)
+            out[name] = torch.from_numpy(value[first:stop].astype(np.float32)).unsqueeze(1)
         else:
             out[name] = value.tolist()  # 0-d arrays become Python scalars
     return out

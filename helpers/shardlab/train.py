@@ -31,11 +31,55 @@ WRAPPERS = ("none", "ddp", "fsdp2")
 PHASES = ("scatter", "forward", "loss", "backward", "step")  # one training step, in order: see ``training_step``
 
 
-def normalized_darcy(samples: int | None = None) -> tuple:
-    """(inputs, targets) of shape (N, 1, H, W): permeability centred and scaled, pressure scaled to O(1)."""
-    data = load_darcy(samples=samples)
-    k, p = data["permeability"], data["pressure"]
-    return (k - k.mean()) / k.std(), p / p.abs().max()
+def normalized_darcy(samples: int | None = None, split: str = "train", dtype: torch.dtype = torch.float32) -> tuple:
+    """(inputs, targets) of shape (N, 1, H, W) of a split (``sl.data.load_darcy``): permeability centred and scaled,
+    pressure scaled to O(1), both with the training split's statistics, so a held-out sample is scaled as the
+    model's training samples were and tells it nothing about itself."""
+    train = load_darcy(split="train")
+    k, p = train["permeability"], train["pressure"]
+    data = train if split == "train" and samples is None else load_darcy(samples=samples, split=split)
+    return ((data["permeability"] - k.mean()) / k.std()).to(dtype), (data["pressure"] / p.abs().max()).to(dtype)
+
+
+def sample_index(step: int, ddp_size: int, replica: int, n_samples: int) -> int:
+    """The sample ddp replica ``replica`` trains on at ``step``: each step takes the next ddp_size of the
+    ``n_samples`` training samples, one per domain group, and a long run goes round them again."""
+    return (step * ddp_size + replica) % n_samples
+
+
+def decayed_lr(lr: float, step: int, steps: int) -> float:
+    """The learning rate of ``step`` of a run of ``steps``: from ``lr`` down to near 0 in a straight line, which
+    settles the last steps instead of leaving them bouncing at full rate."""
+    return lr * (1 - step / steps)
+
+
+def evaluate(model, inputs, targets, mesh=None) -> dict[str, float]:
+    """Without gradients, the mean over the samples of the loss (mean squared error, as in training) and of the
+    relative L2 error ||prediction - target|| / ||target||.
+
+    On a mesh (every rank calls it): ddp replica r predicts samples r, r + ddp, ..., each scattered over its
+    domain group, and the sums are all-reduced over ``mesh["ddp"]``, so every rank returns the same numbers.
+    Without a mesh: one process, one sample at a time, on the model's device.
+    """
+    device = next(model.parameters()).device
+    ddp_size, replica = (mesh["ddp"].size(), mesh.get_coordinate()[0]) if mesh is not None else (1, 0)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, relative L2 error, samples
+    with torch.no_grad():
+        for i in range(replica, len(inputs), ddp_size):
+            x, y = inputs[i : i + 1].to(device), targets[i : i + 1].to(device)
+            if mesh is not None and mesh["domain"].size() > 1:
+                from physicsnemo.domain_parallel import scatter_tensor
+
+                src = domain_source(mesh)
+                x = scatter_tensor(x, src, mesh["domain"], (Shard(2),))
+                y = scatter_tensor(y, src, mesh["domain"], (Shard(2),))
+            squared = (model(x) - y) ** 2
+            both = torch.stack([squared.mean(), squared.sum() / (y**2).sum()])
+            both = (both.full_tensor() if hasattr(both, "full_tensor") else both).double()
+            sums += torch.cat([both[:1], both[1:].sqrt(), torch.ones(1, dtype=torch.float64, device=device)])
+    if mesh is not None and ddp_size > 1:
+        dist.all_reduce(sums, group=mesh["ddp"].get_group())
+    return {"loss": (sums[0] / sums[2]).item(), "relative L2": (sums[1] / sums[2]).item()}
 
 
 def wrap(model, mesh, how: str):
@@ -113,7 +157,7 @@ def training_step(model, optimizer, batch, reduce_gradients=None, phase=None):
 class Trainer:
     """A surrogate training on a (ddp, domain) mesh one step at a time; rank-local state, same calls on every rank.
 
-    Step s gives ddp replica i the sample s * ddp_size + i, scattered over its domain group
+    Step s gives ddp replica i the sample ``sample_index(s, ddp_size, i, n_samples)``, scattered over its domain group
     (batch 1 per domain group); ``step()`` returns the global mean loss, identical on every rank.
     """
 
@@ -135,9 +179,7 @@ class Trainer:
         """This rank's (input, target) for a step: a domain-sharded ShardTensor when domain > 1."""
         from physicsnemo.domain_parallel import scatter_tensor
 
-        i = step * self.ddp_size + self.replica
-        if i >= len(self.inputs):
-            raise ValueError(f"step {step} × ddp size {self.ddp_size} needs sample {i}; there are {len(self.inputs)}.")
+        i = sample_index(step, self.ddp_size, self.replica, len(self.inputs))
         x, y = self.inputs[i : i + 1].to(self.device), self.targets[i : i + 1].to(self.device)
         if self.mesh["domain"].size() > 1:
             x = scatter_tensor(x, self.src, self.mesh["domain"], (Shard(2),))
@@ -207,16 +249,21 @@ def load_checkpoint(trainer: Trainer, path) -> None:
     trainer.load_full_state(box[0])
 
 
-def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None) -> list[float]:
+def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None,
+                      decay: bool = False) -> list[float]:
     """The reference: one process, batch = the ddp replicas' samples of each step, same optimizer, on the
-    model's device."""
+    model's device. ``decay``: the learning rate of each step is ``decayed_lr(lr, step, steps)``."""
     device = next(model.parameters()).device
     inputs, targets = samples if samples is not None else normalized_darcy()
     inputs, targets = inputs.to(device), targets.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = inputs[step * ddp_size : (step + 1) * ddp_size], targets[step * ddp_size : (step + 1) * ddp_size]
+        batch = [sample_index(step, ddp_size, replica, len(inputs)) for replica in range(ddp_size)]
+        x, y = inputs[batch], targets[batch]
+        if decay:
+            for group in optimizer.param_groups:
+                group["lr"] = decayed_lr(lr, step, steps)
         loss = ((model(x) - y) ** 2).mean()
         optimizer.zero_grad()
         loss.backward()

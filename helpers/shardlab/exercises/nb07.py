@@ -1,26 +1,61 @@
 """Judges of ``notebooks/07_capstone.ipynb``: the learner's training step against ``sl.train.Trainer`` (the answer
-key), the learner's checkpoint against the state gathered from the model, and the samples of one step.
+key), the learner's checkpoint against the state gathered from a model, and the samples of one step.
 
-Each judge runs on every rank with the learner's own function or answer and works out what is right there,
-from that rank's mesh and models it builds itself.
+Each judge runs on every rank and calls the learner's function on what the learner has not seen: a model, data,
+steps and mesh of its own, built fresh, so that neither an object of the notebook nor a typed-in number can pass.
+While the learner's function runs, the judge watches what it calls: the forward inputs it gives the model, the
+optimizer it steps, the ranks that write, the gathers, and the library functions that the exercise rebuilds (they
+are recorded, not blocked, so that every rank takes the same path through the collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from .. import train
 from ..launch import default_device
-from ..measure import strict_fp32
+from ..mesh import MESH_AXES
 from ..models import conv_stack
-from ..train import Trainer, normalized_darcy, wrap
 
 STEPS_JUDGED = 3  # enough for gradients left over from one step to show in the next
+JUDGED_SAMPLES = 5  # fewer than the steps judged take at any ddp size: the step must go round the samples again
+
+
+@contextlib.contextmanager
+def _watching(*targets):
+    """While the block runs, every call of ``getattr(owner, name)`` for ``(owner, name, label)`` in ``targets`` is
+    appended (its label) to the yielded list, and then made as usual."""
+    calls, saved = [], []
+    for owner, name, label in targets:
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+
+        def recorded(*args, _original=original, _label=label, **kwargs):
+            calls.append(_label)
+            return _original(*args, **kwargs)
+
+        setattr(owner, name, recorded)
+    try:
+        yield calls
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _library_calls(calls, rebuilt: str) -> str | None:
+    if not calls:
+        return None
+    return (f"it called {', '.join(sorted(set(calls)))}, which {rebuilt}: write it from the parts the exercise "
+            "lists instead")
 
 
 def _full(t):
@@ -31,44 +66,80 @@ def _max_weight_difference(a, b) -> float:
     return max((_full(p) - _full(q)).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
+def _same_on_every_rank(value):
+    """Rank 0's ``value`` on every rank (the judge's random choices must agree across the ranks)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _judged_data() -> tuple:
+    """Samples the notebook never names: a few training samples from the end of the split, in reverse order, in
+    float64 as the notebook's (so a step that reads the notebook's own data fails on its numbers, not its dtype)."""
+    inputs, targets = train.normalized_darcy(dtype=torch.float64)
+    return inputs[-JUDGED_SAMPLES:].flip(0).clone(), targets[-JUDGED_SAMPLES:].flip(0).clone()
+
+
+def _judged_model(seed: int):
+    return conv_stack(seed=seed).to(default_device(), torch.float64)
+
+
 def step_matches_trainer(train_step, mesh, how, lr):
     """Exercise 1: ``train_step(model, optimizer, mesh, inputs, targets, step)`` trains like ``sl.train.Trainer``:
-    the same global loss at every step and the same weights after them, with the sample scattered over the
-    domain group."""
+    the same global loss at every step and the same weights after them. It is run on a model, samples and steps
+    of the judge's own, and must give the model this rank's rows of its sample (a Shard(2) ShardTensor) at every
+    call, step the optimizer it was given, and not call the Trainer it rebuilds."""
     if not callable(train_step):
         return f"train_step is a {type(train_step).__name__}: define a function train_step(model, optimizer, ...)"
-    device = default_device()
-    inputs, targets = normalized_darcy()
-    key = Trainer(conv_stack(seed=0).to(device), mesh, how, lr=lr, samples=(inputs, targets))
-    model = wrap(conv_stack(seed=0).to(device), mesh, how)
+    inputs, targets = _judged_data()
+    seed = _same_on_every_rank(random.randrange(100, 10_000))
+    first = _same_on_every_rank(random.randrange(JUDGED_SAMPLES, 4 * JUDGED_SAMPLES))  # a step past the samples
+    key = train.Trainer(_judged_model(seed), mesh, how, lr=lr, samples=(inputs, targets))
+    key.steps_done = first
+    model = train.wrap(_judged_model(seed), mesh, how)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    untrained = conv_stack(seed=0).to(device)
+    untrained = _judged_model(seed)
     given = []
-    hook = model.register_forward_pre_hook(lambda module, args: given.append(args[0]))
+    # On the module inside the wrapper: every forward reaches it, through DDP or around it.
+    hook = getattr(model, "module", model).register_forward_pre_hook(lambda module, args: given.append(args[0]))
     expected, got = [], []
     try:
-        with strict_fp32():
-            for step in range(STEPS_JUDGED):
-                expected.append(key.step())
+        for step in range(first, first + STEPS_JUDGED):
+            expected.append(key.step())
+            with _watching((train.Trainer, "step", "sl.train.Trainer.step"),
+                           (train.Trainer, "batch", "sl.train.Trainer.batch"),
+                           (train, "wrap", "sl.train.wrap"),
+                           (train, "sample_index", "sl.train.sample_index")) as calls:
                 got.append(train_step(model, optimizer, mesh, inputs, targets, step))
+            if problem := _library_calls(calls, "is the answer key's own step"):
+                return problem
     finally:
         hook.remove()
     if not given:
         return "the model was never called: the step must run model(x) on the scattered input"
-    x = given[0]
-    if type(x).__name__ != "ShardTensor" or tuple(x.placements) != (Shard(2),):
-        return (f"the model was given a {type(x).__name__} of shape {tuple(x.shape)} on this rank: each domain group "
-                "shares one sample, scattered over mesh['domain'] along the rows (Shard(2))")
+    rows = -(-inputs.shape[2] // mesh["domain"].size())
+    for x in given:
+        if (type(x).__name__ != "ShardTensor" or tuple(x.placements) != (Shard(2),)
+                or x.to_local().shape[2] > rows):
+            return (f"the model was given a {type(x).__name__} of shape {tuple(x.shape)} on this rank: at every "
+                    "call it gets this rank's rows of the sample, scattered over mesh['domain'] along the rows "
+                    "(Shard(2)); a forward of the whole sample on every rank is not domain parallel")
+    if len(given) != STEPS_JUDGED:
+        return f"the model was called {len(given)} times in {STEPS_JUDGED} steps: one forward per step"
     if any(not isinstance(loss, float) for loss in got):
         kinds = sorted({type(loss).__name__ for loss in got})
         return f"train_step returned {', '.join(kinds)}: return the global loss as a Python float"
+    stepped = [state.get("step") for state in optimizer.state.values()]
+    if not stepped or any(int(s) != STEPS_JUDGED for s in stepped):
+        return ("the optimizer it was given did not take one step per call: train with the optimizer passed in "
+                "(the notebook checkpoints its state)")
     if _max_weight_difference(model, untrained) == 0.0:
         return "the weights never changed: after backward() the optimizer must take its step"
     for step, (g, e) in enumerate(zip(got, expected)):
         if abs(g - e) > 1e-6 * abs(e):
-            return (f"at step {step} it returned a loss {abs(g - e) / abs(e):.1e} (relative) away from the reference "
-                    "loop's: the global mean loss of the step, the same on every rank, computed from this step's "
-                    "own gradients only")
+            return (f"at the {step + 1}. step judged it returned a loss {abs(g - e) / abs(e):.1e} (relative) away "
+                    "from the reference loop's: the global mean loss of the step's own sample(s), taken from the "
+                    "arguments, the same on every rank, computed from this step's own gradients only")
     worst = _max_weight_difference(model, key.model)
     if worst > 1e-5:
         return f"the losses agree but after {STEPS_JUDGED} steps the weights differ from the reference by {worst:.1e}"
@@ -100,11 +171,11 @@ def _compare_checkpoint(path: Path, model_state: dict, optimizer_state: dict, st
         return ("the model's keys start with 'module.', the DDP wrapper's names: save the module's own state "
                 "(get_model_state_dict), which loads with or without a wrapper")
     if set(keys) != set(model_state):
-        return "the model state's keys are not the model's parameter and buffer names"
+        return "the model state's keys are not the names of the model it was given"
     if any(hasattr(v, "to_local") for v in saved["model"].values()):
         return "the model state holds DTensor shards: gather the full tensors (full_state_dict=True)"
     if any(not torch.equal(saved["model"][k].cpu(), model_state[k].cpu()) for k in model_state):
-        return "the saved weights are not the model's current weights"
+        return "the saved weights are not the current weights of the model it was given"
     state = saved["optimizer"].get("state") if isinstance(saved["optimizer"], dict) else None
     if not state:
         return "the optimizer state is empty: Adam's moments would restart from zero"
@@ -114,48 +185,114 @@ def _compare_checkpoint(path: Path, model_state: dict, optimizer_state: dict, st
     for name, moments in optimizer_state["state"].items():
         for k, v in moments.items():
             if not torch.equal(torch.as_tensor(state[name][k]).cpu(), torch.as_tensor(v).cpu()):
-                return f"the optimizer's {k!r} for {name} is not the optimizer's current one"
+                return f"the optimizer's {k!r} for {name} is not the current one of the optimizer it was given"
     return None
 
 
-def checkpoint_is_complete(save_checkpoint, model, optimizer):
+def _file_verdict(path: Path, model_state: dict, optimizer_state: dict, step: int) -> str | None:
+    """Rank 0: ``_compare_checkpoint``, with a file that cannot be read back said as such (every rank waits for it)."""
+    try:
+        return _compare_checkpoint(path, model_state, optimizer_state, step)
+    except Exception as error:
+        return f"the file cannot be read back with torch.load ({type(error).__name__}: {error})"
+
+
+def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
     """Exercise 2: ``save_checkpoint(model, optimizer, step, path)`` leaves one file with the full model and optimizer
-    state (parameter names as keys, no wrapper prefix, no shards) and the step."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    state (parameter names as keys, no wrapper prefix, no shards) and the step. It is run on a model the judge
+    trained itself, at a step of its own; every rank must gather (a collective under FSDP2) and only rank 0 write
+    (with ``cpu_offload=True`` the other ranks receive ``{}``), without ``sl.train``'s own checkpoint code."""
+    import torch.distributed.checkpoint.state_dict as state_dicts
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if not callable(save_checkpoint):
         return f"save_checkpoint is a {type(save_checkpoint).__name__}: define a function save_checkpoint(...)"
+    seed = _same_on_every_rank(random.randrange(100, 10_000))
+    step = _same_on_every_rank(random.randrange(1000, 10_000))
+    trainer = train.Trainer(_judged_model(seed), mesh, how, lr=lr, samples=_judged_data())
+    trainer.step()
+    model, optimizer = trainer.model, trainer.optimizer
     folder, path = _shared_temporary_path()
-    step = 5
     try:
-        save_checkpoint(model, optimizer, step, str(path))
+        with _watching((train, "save_checkpoint", "sl.train.save_checkpoint"),
+                       (train.Trainer, "full_state", "sl.train.Trainer.full_state"),
+                       (state_dicts, "get_model_state_dict", "gathered the model"),
+                       (state_dicts, "get_optimizer_state_dict", "gathered the optimizer"),
+                       (torch, "save", "wrote")) as calls:
+            save_checkpoint(model, optimizer, step, str(path))
         dist.barrier()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-        verdict = [_compare_checkpoint(path, model_state, optimizer_state, step) if dist.get_rank() == 0 else None]
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states reach rank 0 only
+        model_state = state_dicts.get_model_state_dict(model, options=options)
+        optimizer_state = state_dicts.get_optimizer_state_dict(model, optimizer, options=options)
+        verdict = [_file_verdict(path, model_state, optimizer_state, step) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(verdict, src=0)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(set(calls)))
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
-    return verdict[0]
+    if problem := _library_calls([c for c in calls if c.startswith("sl.")], "is sl.train's own checkpoint"):
+        return problem
+    writers = [rank for rank, seen in enumerate(everyone) if rank and "wrote" in seen]
+    if writers:
+        return (f"rank(s) {writers} wrote the file too: with cpu_offload=True only rank 0 receives the full state "
+                "(the others get {}), so rank 0 alone writes")
+    if verdict[0]:
+        return verdict[0]
+    idle = [rank for rank, seen in enumerate(everyone)
+            if not {"gathered the model", "gathered the optimizer"} <= set(seen)]
+    if idle:
+        return (f"rank(s) {idle} did not gather both states: gathering is a collective (FSDP2 all-gathers the "
+                "shards), so every rank calls get_model_state_dict and get_optimizer_state_dict")
+    return None
 
 
-def samples_of_first_step(used, mesh):
-    """Exercise 3: ``used`` lists the samples whose gradients went into optimizer step 0, gathered from every rank."""
-    if not isinstance(used, (list, tuple)) or not all(isinstance(i, int) for i in used):
-        return f"used is {used!r}: a list of sample indices (ints)"
-    right = list(range(mesh["ddp"].size()))  # replica r trains on sample step * ddp + r
-    if list(used) == right:
-        return None
-    if sorted(set(used)) == right:
-        return (f"it lists {len(used)} entries for {len(set(used))} samples: the ranks of a domain group share "
-                "one sample, so count each sample once")
-    if set(right) < set(used):
-        return "it lists samples that step 0 did not train on: only the first step's samples count"
-    return "these are not the samples step 0 trained on, sorted: gather the sample index each rank scattered"
+_OTHER_MESHES: dict = {}
+
+
+def _mesh_of_another_shape(mesh):
+    """A (ddp, domain) mesh of the same ranks in another shape than ``mesh``'s: every rank its own replica
+    (domain 1), or, when that is ``mesh``'s shape, one domain group of all ranks. Made once per process (every
+    rank creates it together), then reused."""
+    world = dist.get_world_size()
+    shape = (1, world) if mesh["domain"].size() == 1 else (world, 1)
+    if shape not in _OTHER_MESHES:
+        _OTHER_MESHES[shape] = init_device_mesh(mesh.device_type, shape, mesh_dim_names=MESH_AXES)
+    return _OTHER_MESHES[shape]
+
+
+def samples_of_step(samples_in_step, mesh):
+    """Exercise 3: ``samples_in_step(step, mesh, n_samples)`` returns, on every rank, the sorted list of the samples
+    whose gradients went into optimizer step ``step``, gathered from what each rank trained on. The judge asks for
+    steps the notebook never ran, with a number of samples of its own, on its mesh and on a mesh of another
+    shape; each call must gather from the ranks, and not call ``sl.train.sample_index``, the rule it rebuilds."""
+    if not callable(samples_in_step):
+        return (f"samples_in_step is a {type(samples_in_step).__name__}: define a function "
+                "samples_in_step(step, mesh, n_samples)")
+    n_samples = _same_on_every_rank(random.randrange(9, 60))
+    steps = _same_on_every_rank(random.sample(range(1, 3 * n_samples), 2))
+    for judged_mesh in (mesh, _mesh_of_another_shape(mesh)):
+        ddp = judged_mesh["ddp"].size()
+        for step in steps:
+            with _watching((train, "sample_index", "sl.train.sample_index"),
+                           (dist, "all_gather_object", "gathered"), (dist, "all_gather", "gathered"),
+                           (dist, "all_gather_into_tensor", "gathered")) as calls:
+                used = samples_in_step(step, judged_mesh, n_samples)
+            if problem := _library_calls([c for c in calls if c.startswith("sl.")], "is the rule itself"):
+                return problem
+            if "gathered" not in calls:
+                return ("it computed the list without asking the other ranks: gather what each rank trained on "
+                        "(dist.all_gather_object)")
+            right = sorted({(step * ddp + replica) % n_samples for replica in range(ddp)})
+            where = f"at step {step} of {n_samples} samples on a mesh of shape {tuple(judged_mesh.mesh.shape)}"
+            if not isinstance(used, (list, tuple)) or not all(isinstance(i, int) for i in used):
+                return f"{where} it returned {used!r}: return a list of sample indices (ints)"
+            if list(used) == right:
+                continue
+            if sorted(set(used)) == right:
+                return (f"{where} it lists {len(used)} entries for {len(set(used))} samples: the ranks of a domain "
+                        "group share one sample, so count each sample once, sorted")
+            return (f"{where} these are not the samples that step trained on: each ddp replica trains on sample "
+                    "(step × ddp + replica) mod n_samples, read from the mesh it was given")
+    return None
