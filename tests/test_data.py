@@ -131,8 +131,9 @@ def test_load_darcy_missing_file_says_how_to_regenerate(tmp_path, monkeypatch):
         sldata.load_darcy()
 
 
-def test_a_non_editable_install_finds_the_data(tmp_path):
-    """The package ships the dataset (a link to data/ in the repository, a copy in a wheel)."""
+def test_a_non_editable_install_finds_the_data_and_every_subpackage(tmp_path):
+    """The package ships the dataset (a link to data/ in the repository, a copy in a wheel) and every subpackage
+    (a folder missing from pyproject's package list would install nothing)."""
     import shutil
     import subprocess
     import sys
@@ -154,3 +155,6 @@ def test_a_non_editable_install_finds_the_data(tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == [str(target / "shardlab" / "data.py"), "torch.Size([2, 1, 64, 64])"]
+    subpackages = sorted(p.parent.name for p in (REPO / "helpers" / "shardlab").glob("*/__init__.py"))
+    installed = sorted(p.parent.name for p in (target / "shardlab").glob("*/__init__.py"))
+    assert installed == subpackages, "add the missing ones to helpers/pyproject.toml's packages"

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardlab import bench, devices, engines, gpucheck, launch, launcher_programs, measure, smoke
+from shardlab import bench, devices, engines, gpucheck, launch, launcher_programs, smoke
 from shardlab import cluster as cl
 from shardlab.devices import DeviceError, place_ranks
+from shardlab.measure import tables as measure_tables
 
 GPU_COUNTS = (0, 1, 2, 4, 8)
 
@@ -123,7 +124,8 @@ def test_cluster_run_job_smoke_bench_measure_and_gpucheck_choose_alike(monkeypat
     for row in gpucheck.plan(count):
         if row["runs"]:
             assert row["on"] == place_ranks(row["ranks"], count).label
-    measure_ranks = measure.job_ranks(["activation-memory", "state-memory"], gpucheck.memory_sizes(count) or None)
+    measure_ranks = measure_tables.job_ranks(["activation-memory", "state-memory"],
+                                             gpucheck.memory_sizes(count) or None)
     if count:
         assert place_ranks(measure_ranks, count).device == "cuda"
 
@@ -142,10 +144,10 @@ def test_measure_with_sizes_1_starts_one_rank_which_one_gpu_can_run(monkeypatch)
         started.append(n)
         raise launch.JobFailed("not started", 3)
 
-    monkeypatch.setattr(measure, "run_job", fake_run_job)
-    monkeypatch.setattr(measure, "detect_launch", lambda: SimpleNamespace(launcher="none"))
-    assert measure.main(["activation-memory", "--sizes", "1"]) == 3
-    assert measure.main(["activation-memory", "state-memory"]) == 3
+    monkeypatch.setattr(measure_tables, "run_job", fake_run_job)
+    monkeypatch.setattr(measure_tables, "detect_launch", lambda: SimpleNamespace(launcher="none"))
+    assert measure_tables.main(["activation-memory", "--sizes", "1"]) == 3
+    assert measure_tables.main(["activation-memory", "state-memory"]) == 3
     assert started == [1, 4]
 
 

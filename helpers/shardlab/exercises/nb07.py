@@ -10,7 +10,6 @@ are recorded, not blocked, so that every rank takes the same path through the co
 
 from __future__ import annotations
 
-import contextlib
 import random
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from .. import train
+from ..check import Watch
 from ..launch import default_device
 from ..mesh import MESH_AXES
 from ..models import conv_stack
@@ -30,25 +30,10 @@ STEPS_JUDGED = 3  # enough for gradients left over from one step to show in the 
 JUDGED_SAMPLES = 5  # fewer than the steps judged take at any ddp size: the step must go round the samples again
 
 
-@contextlib.contextmanager
-def _watching(*targets):
-    """While the block runs, every call of ``getattr(owner, name)`` for ``(owner, name, label)`` in ``targets`` is
-    appended (its label) to the yielded list, and then made as usual."""
-    calls, saved = [], []
-    for owner, name, label in targets:
-        original = getattr(owner, name)
-        saved.append((owner, name, original))
-
-        def recorded(*args, _original=original, _label=label, **kwargs):
-            calls.append(_label)
-            return _original(*args, **kwargs)
-
-        setattr(owner, name, recorded)
-    try:
-        yield calls
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+def _watching(*targets) -> Watch:
+    """A ``check.Watch`` of attributes only, ``(owner, name, label)`` each (the judged code may compile or run
+    collectives of its own, so no profile hook and no dispatch mode)."""
+    return Watch(attributes={label: (owner, name) for owner, name, label in targets}, collectives=False)
 
 
 def _library_calls(calls, rebuilt: str) -> str | None:
@@ -109,9 +94,9 @@ def step_matches_trainer(train_step, mesh, how, lr):
             with _watching((train.Trainer, "step", "sl.train.Trainer.step"),
                            (train.Trainer, "batch", "sl.train.Trainer.batch"),
                            (train, "wrap", "sl.train.wrap"),
-                           (train, "sample_index", "sl.train.sample_index")) as calls:
+                           (train, "sample_index", "sl.train.sample_index")) as watch:
                 got.append(train_step(model, optimizer, mesh, inputs, targets, step))
-            if problem := _library_calls(calls, "is the answer key's own step"):
+            if problem := _library_calls([e.name for e in watch.calls()], "is the answer key's own step"):
                 return problem
     finally:
         hook.remove()
@@ -218,8 +203,9 @@ def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
                        (train.Trainer, "full_state", "sl.train.Trainer.full_state"),
                        (state_dicts, "get_model_state_dict", "gathered the model"),
                        (state_dicts, "get_optimizer_state_dict", "gathered the optimizer"),
-                       (torch, "save", "wrote")) as calls:
+                       (torch, "save", "wrote")) as watch:
             save_checkpoint(model, optimizer, step, str(path))
+        calls = [e.name for e in watch.calls()]
         dist.barrier()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full states reach rank 0 only
         model_state = state_dicts.get_model_state_dict(model, options=options)
@@ -276,9 +262,10 @@ def samples_of_step(samples_in_step, mesh):
         ddp = judged_mesh["ddp"].size()
         for step in steps:
             with _watching((train, "sample_index", "sl.train.sample_index"),
-                           (dist, "all_gather_object", "gathered"), (dist, "all_gather", "gathered"),
-                           (dist, "all_gather_into_tensor", "gathered")) as calls:
+                           (dist, "all_gather_object", "gathered"), (dist, "all_gather", "gathered (tensors)"),
+                           (dist, "all_gather_into_tensor", "gathered (one tensor)")) as watch:
                 used = samples_in_step(step, judged_mesh, n_samples)
+            calls = [e.name.split(" (")[0] for e in watch.calls()]
             if problem := _library_calls([c for c in calls if c.startswith("sl.")], "is the rule itself"):
                 return problem
             if "gathered" not in calls:

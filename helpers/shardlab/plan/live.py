@@ -146,8 +146,9 @@ SERIES_MODELS = {
 
 
 def series_cases(world: int = 4) -> list[dict]:
-    """The cases the planner is checked against: notebooks 04 and 05's model (07's U-Net pools and interpolates, which the meta trace does not model), N = 1, 2, 4 on the domain axis
-    (ddp = world // N), DDP and FSDP2, on the 64×64 Darcy field; plus an uneven field without a wrapper."""
+    """The cases the planner is checked against: notebooks 04 and 05's model, N = 1, 2, 4 on the domain axis
+    (ddp = world // N), DDP and FSDP2, on the 64×64 Darcy field; plus an uneven field without a wrapper. (07's U-Net
+    pools and interpolates, which the meta trace does not model yet.)"""
     cases = []
     for notebook, kwargs in SERIES_MODELS.items():
         for n in (1, 2, 4):

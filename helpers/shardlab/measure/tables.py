@@ -1,26 +1,18 @@
-"""Measure layer: wall-clock and byte figures taken live, side by side in one run.
-
-Introduced in ``notebooks/01_launchers.ipynb``.
-"""
+"""``python -m shardlab.measure``: the measurement tables, printed side by side in one run (the ones that need ranks
+in one torchrun job it starts itself)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from .data import load_darcy
-from .launch import (
+from ..data import load_darcy
+from ..launch import (
     JobFailed,
     default_device,
     detect_launch,
@@ -29,220 +21,18 @@ from .launch import (
     shutdown_distributed,
     write_job_result,
 )
-from .mesh import build_mesh, domain_source
-from .models import conv_stack
-from .report import Table
-from .train import train
-
-# PhysicsNeMo is imported inside the functions that use it: the byte arithmetic also runs in
-# the notebook kernel, which need not pay its import.
-
-
-def local_bytes(t) -> int:
-    """Bytes this rank holds for a tensor: the local shard of a ShardTensor/DTensor, else the tensor."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def state_bytes(model, optimizer=None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
-    params = list(model.parameters())
-    out = {
-        "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer state": 0,
-    }
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out["optimizer state"] += sum(local_bytes(v) for v in state.values() if hasattr(v, "numel"))
-    return out
-
-
-def synchronize(device) -> None:
-    """Wait for the device to finish its queued work (a no-op on CPU): timings and peaks need it on GPUs."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class DevicePeak:
-    """The CUDA caching allocator's peak on this rank's GPU inside ``with``: allocated and reserved bytes.
-
-    On a GPU it resets the peak counters on entry and reads them on exit (``measured`` is True).
-    On a CPU rank there is no allocator to read: ``measured`` is False and the byte counts of
-    ``SavedActivations`` and ``state_bytes`` are what a GPU figure is later checked against.
-    """
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.measured = self.device.type == "cuda"
-        self.start_allocated = self.peak_allocated = self.peak_reserved = 0
-
-    def __enter__(self):
-        if self.measured:
-            synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_allocated = torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc):
-        if self.measured:
-            synchronize(self.device)
-            self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
-            self.peak_reserved = torch.cuda.max_memory_reserved(self.device)
-
-    @property
-    def peak_above_start(self) -> int:
-        """Bytes allocated at the peak beyond what was allocated on entry: what the region itself needed."""
-        return self.peak_allocated - self.start_allocated
-
-    def as_row(self) -> dict:
-        return {"measured": self.measured, "peak allocated": self.peak_allocated,
-                "peak above start": self.peak_above_start, "peak reserved": self.peak_reserved}
-
-
-@contextlib.contextmanager
-def fp32_precision(precision: str):
-    """Inside ``with``: fp32 matmuls and cuDNN convolutions in ``precision`` ("ieee": full fp32, "tf32"), restored on
-    exit. Only the ``fp32_precision`` API: torch 2.14 raises about "a mix of the legacy and new APIs" when the
-    legacy ``allow_tf32`` flags are read after anything set the new one (the flags exist without a GPU)."""
-    flags = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
-    saved = [flag.fp32_precision for flag in flags]
-    for flag in flags:
-        flag.fp32_precision = precision
-    try:
-        yield
-    finally:
-        for flag, before in zip(flags, saved):
-            flag.fp32_precision = before
-
-
-def strict_fp32():
-    """Inside ``with``: full fp32 matmuls and convolutions (no TF32), restored on exit.
-
-    Recent GPUs run fp32 convolutions (and, if enabled, matmuls) in TF32, about 1e-3 relative: an
-    assert at 1e-5 between a sharded and a single-device result would compare TF32 rounding. CPUs
-    have no TF32, so the same cell runs unchanged on CPU ranks.
-    """
-    return fp32_precision("ieee")
-
-
-class SavedActivations:
-    """Bytes autograd saves for backward inside ``with`` (unique tensors, parameters excluded).
-
-    On CPU this is the activation memory a backward pass will need; on GPU compare it with
-    ``torch.cuda.max_memory_allocated``. ``counted`` lists (local shape, bytes) of every tensor counted, in order.
-    """
-
-    def __init__(self, exclude=()):
-        self._excluded: set[int] = set()
-        self._seen: set[tuple[int, tuple]] = set()
-        self.bytes = 0
-        self.tensors = 0
-        self.counted: list[tuple[tuple[int, ...], int]] = []
-        self.exclude(exclude)
-
-    def exclude(self, tensors) -> None:
-        """Never count these tensors (nor views sharing their first element), from now on: for example the
-        parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook)."""
-        self._excluded |= {t.data_ptr() for t in tensors}
-
-    def _pack(self, t):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = (local.data_ptr(), tuple(local.shape))
-        if local.data_ptr() not in self._excluded and key not in self._seen:
-            self._seen.add(key)
-            self.bytes += local_bytes(local)
-            self.tensors += 1
-            self.counted.append((tuple(local.shape), local_bytes(local)))
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Counts collectives and the bytes of the tensors handed to them, plus the largest tensor seen."""
-
-    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-
-    def __init__(self):
-        super().__init__()
-        self.ops: dict[str, dict[str, int]] = {}
-        self.largest_tensor_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            self.largest_tensor_bytes = max(self.largest_tensor_bytes, t.numel() * t.element_size())
-        if func.namespace in self.NAMESPACES and not func.__name__.startswith(("wait_tensor", "_wrap")):
-            name = str(func.overloadpacket).split(".")[-1]
-            entry = self.ops.setdefault(name, {"calls": 0, "bytes": 0})
-            entry["calls"] += 1
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            entry["bytes"] += sum(t.numel() * t.element_size() for t in inputs)
-        return out
-
-
-def collective_bytes() -> CollectiveBytes:
-    """A ``with`` block that records, on this rank, each collective's calls and input bytes
-    (``.ops``) and the largest tensor any op touched (``.largest_tensor_bytes``)."""
-    return CollectiveBytes()
-
-
-def activation_bytes_by_domain_size(model, field, sizes=(1, 2, 4), dim: int = 2, peaks: dict | None = None
-                                    ) -> dict[int, int]:
-    """On this rank: bytes saved for backward by ``model(field)`` with the field sharded over N domain ranks.
-
-    Call on every rank together; for each N it builds a (world/N, N) mesh on the field's device and
-    scatters the field along ``dim`` (N = 1 runs the plain tensor). Pass a dict as ``peaks`` to also
-    get, per N, the CUDA allocator's peak around the forward (``DevicePeak.as_row()``; not measured on CPU).
-    """
-    from physicsnemo.domain_parallel import scatter_tensor
-
-    world = dist.get_world_size()
-    result = {}
-    for n in sizes:
-        if world % n:
-            raise ValueError(f"domain size {n} does not divide the world size {world}")
-        if n == 1:
-            x = field.clone()
-        else:
-            mesh = init_device_mesh(field.device.type, (world // n, n), mesh_dim_names=("ddp", "domain"))
-            x = scatter_tensor(field, domain_source(mesh), mesh["domain"], (Shard(dim),))
-        with DevicePeak(field.device) as peak, SavedActivations(exclude=model.parameters()) as saved:
-            model(x)
-        result[n] = saved.bytes
-        if peaks is not None:
-            peaks[n] = peak.as_row()
-    return result
-
-
-def ideal_activation_ratio(n: int, height: int, kernel_size: int) -> float:
-    """1/N of the rows, plus the k//2 halo rows on each side that a sharded conv input carries."""
-    return 1.0 if n == 1 else 1.0 / n + 2 * (kernel_size // 2) / height
-
-
-def max_diff_to_source(module, group, src: int) -> float:
-    """Largest |value − value on the source rank| over a module's parameters and buffers, across ``group``.
-
-    Every rank of the group gets the same answer (0.0 means the module is in sync).
-    """
-    worst = 0.0
-    for t in [*module.parameters(), *module.buffers()]:
-        ref = t.detach().clone()
-        dist.broadcast(ref, src=src, group=group)
-        worst = max(worst, (t.detach().float() - ref.float()).abs().max().item())
-    device = next(iter([*module.parameters(), *module.buffers()])).device
-    worst = torch.tensor([worst], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return worst.item()
+from ..mesh import build_mesh
+from ..models import conv_stack
+from ..report import Table
+from ..train import train
+from . import (
+    DevicePeak,
+    activation_bytes_by_domain_size,
+    fp32_precision,
+    ideal_activation_ratio,
+    state_bytes,
+    synchronize,
+)
 
 
 def _gather_rows(rows: dict) -> list[dict]:
@@ -427,5 +217,3 @@ def main(argv=None) -> int:
         shutdown_distributed()
     return 0
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from .tables import main
+
+sys.exit(main())
