@@ -5,7 +5,8 @@ The judge calls the operator on ShardTensors it builds itself (the notebook's ``
 values, and a field of 4n - 1 rows, split unevenly), each with another ``alpha``, forward and backward, and watches the
 work: the registered handler is the learner's and runs, nothing gathers the field, no message is larger than the halo
 rows, the output and the input gradient equal the operator's on the whole field.
-After judging it unregisters the operator (``unregister``), so no learner's handler outlives the exercise.
+After judging it restores the registries from a snapshot taken before the answer (``registry_snapshot``,
+``restore_registry``), so no learner's handler outlives the exercise.
 """
 
 from __future__ import annotations
@@ -30,14 +31,20 @@ def registered_handler(op=DIFFUSE):
     return ShardTensor._function_registry.get(op) or ShardTensor._named_function_registry.get(str(op))
 
 
-def unregister(op=DIFFUSE, handler=None) -> None:
-    """Remove every handler registered for ``op`` (under the operator or its name, in all four registries), and every
-    entry whose handler is ``handler``: what is left is what the series registered itself."""
+def registry_snapshot() -> dict:
+    """A copy of ShardTensor's four handler registries, as they are now: what ``restore_registry`` puts back."""
     ShardTensor = _shard_tensor()
-    for name in REGISTRIES:
+    return {name: dict(getattr(ShardTensor, name)) for name in REGISTRIES}
+
+
+def restore_registry(snapshot: dict) -> None:
+    """Make ShardTensor's registries what ``snapshot`` holds: a handler registered since is gone, one it replaced is
+    back. In place: ShardTensor reads the class attributes at every call."""
+    ShardTensor = _shard_tensor()
+    for name, entries in snapshot.items():
         registry = getattr(ShardTensor, name)
-        for key in [k for k, h in registry.items() if k in (op, str(op)) or (handler is not None and h is handler)]:
-            del registry[key]
+        registry.clear()
+        registry.update(entries)
 
 
 def _cases(x):
@@ -56,7 +63,7 @@ def _cases(x):
     return cases
 
 
-def shard_patch(patch, x) -> str | None:
+def shard_patch(patch, x, before: dict) -> str | None:
     """Exercise. Doing it means: a handler ``patch(func, types, args, kwargs)`` registered for ``DIFFUSE`` that takes
     one halo row from each neighbour (zeros where the field ends), runs ``func`` on the padded local rows, trims the
     halo and returns a ShardTensor laid out like its input, and whose exchange is differentiable (PhysicsNeMo's
@@ -65,7 +72,8 @@ def shard_patch(patch, x) -> str | None:
     Observed, on each of the judge's inputs: the handler registered for the operator is ``patch`` and it runs; no
     message moves more than the halo rows and ``full_tensor``/``redistribute`` do not run; the result is a new
     ShardTensor with the input's placements and shard sizes; its values and the input's gradient equal the operator's
-    on the whole field (computed by the judge outside the watched call)."""
+    on the whole field (computed by the judge outside the watched call). Then the registries are put back as they
+    were in ``before`` (a ``registry_snapshot()`` taken before the answer cell ran), whatever the answer registered."""
     ShardTensor = _shard_tensor()
     from torch.distributed.tensor import DTensor
 
@@ -76,7 +84,7 @@ def shard_patch(patch, x) -> str | None:
         if registered_handler() is None:
             return ("no handler is registered for the operator: register diffuse_patch with "
                     "ShardTensor.register_function_handler (the check unregisters it after judging: run the answer "
-                    "cell again to re-register it)")
+                    "cell again to register it again)")
         runs = []
         for what, whole, sharded, alpha in _cases(x):  # every rank runs every case before any verdict
             with Watch(patch=patch, full_tensor=(ShardTensor.full_tensor, DTensor.full_tensor),
@@ -102,7 +110,7 @@ def shard_patch(patch, x) -> str | None:
                 return problem
         return None
     finally:
-        unregister(handler=patch)
+        restore_registry(before)
 
 
 def _wrong_source(got, expected, whole, local, alpha, x_whole, first, stop) -> str | None:
