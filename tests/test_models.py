@@ -39,6 +39,23 @@ def test_unet_needs_a_pooling_level():
         models.UNet(levels=1)
 
 
+
+def test_diffuse_is_one_step_of_the_five_point_stencil_with_zeros_beyond_the_edges():
+    x = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    expected = x.clone()
+    for i in range(5):
+        for j in range(4):
+            neighbours = ((i - 1, j), (i + 1, j), (i, j - 1), (i, j + 1))
+            near = [x[..., a, b] for a, b in neighbours if 0 <= a < 5 and 0 <= b < 4]
+            expected[..., i, j] = x[..., i, j] + 0.2 * (sum(near) - 4 * x[..., i, j])
+    assert torch.allclose(models.DIFFUSE(x, 0.2), expected)
+
+
+def test_diffuse_has_the_gradient_of_the_stencil():
+    x = torch.randn(1, 1, 6, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: models.DIFFUSE(t, 0.3), (x,))
+
+
 DOMAIN_PARALLEL = """
 import json
 import torch

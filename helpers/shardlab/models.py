@@ -74,3 +74,31 @@ def unet(width: int = 16, levels: int = 5, seed: int = 0) -> UNet:
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)  # the CPU generator only: modules are created on the CPU
         return UNet(width=width, levels=levels)
+
+
+# A stencil that ShardTensor has no handler for, as a user's own kernel would be: a custom op is opaque to
+# PhysicsNeMo (it cannot see the slicing inside), so on a ShardTensor it reaches DTensor, which has no sharding
+# strategy for it. Introduced in ``notebooks/10_beyond_halos.ipynb``, where the learner writes its shard patch.
+@torch.library.custom_op("shardlab::diffuse", mutates_args=())
+def diffuse(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """One explicit diffusion step on the last two dims: ``x + alpha`` × the 5-point Laplacian, zeros beyond the
+    edges. Output row r reads input rows r-1, r, r+1: one halo row from each neighbour when sharded along H."""
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1))
+    neighbours = padded[..., :-2, 1:-1] + padded[..., 2:, 1:-1] + padded[..., 1:-1, :-2] + padded[..., 1:-1, 2:]
+    return x + alpha * (neighbours - 4 * x)
+
+
+@diffuse.register_fake
+def _(x, alpha):
+    return torch.empty_like(x)
+
+
+def _diffuse_context(ctx, inputs, output):
+    ctx.alpha = inputs[1]
+
+
+# The stencil is symmetric with zero edges, so the step is its own adjoint: the gradient is one more step.
+diffuse.register_autograd(lambda ctx, grad: (diffuse(grad, ctx.alpha), None), setup_context=_diffuse_context)
+
+# The operator a shard patch is registered for, and called as: ``ShardTensor.register_function_handler(DIFFUSE, h)``.
+DIFFUSE = torch.ops.shardlab.diffuse.default
