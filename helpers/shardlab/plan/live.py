@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 from ..launch import init_distributed, run_job
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
-from .inputs import fmt_bytes
+from ..train import Levers
+from .inputs import DTYPES, fmt_bytes
 from .planner import plan
 from .records import ACCOUNTED, Plan, RankBytes
 from .trace import nbytes
@@ -78,38 +79,44 @@ class _GatheredParameters(TorchDispatchMode):
         return out
 
 
-def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2) -> RankBytes:
-    """On every rank together: one training step of ``sl.train.Trainer`` (after a warm-up step, so that gradients
-    and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's bytes.
+def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = Levers()
+                 ) -> RankBytes:
+    """On every rank together: one training step of ``sl.train.Trainer`` with ``levers`` (after a warm-up step, so
+    that gradients and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's
+    bytes.
 
     The measured step is ``Trainer.step`` itself, instrumented through its phase hooks: the scatter (largest tensor a
     broadcast handles), the forward (``SavedActivations``, also excluding the parameters FSDP2 gathers for each
     layer), the backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
-    On a GPU, ``peak`` is ``max_memory_allocated`` over the measured step (``DevicePeak``).
+    ``peak`` is the allocator's peak over the measured step, taken apart from all that (``sl.measure.AllocatorPeak``:
+    ``max_memory_allocated`` on a GPU, torch.profiler's memory events on a CPU rank, counted from before the model
+    is wrapped).
     """
     import torch.distributed as dist
 
-    from ..measure import DevicePeak, SavedActivations, state_bytes
+    from ..measure import AllocatorPeak, SavedActivations, local_bytes, state_bytes
     from ..train import Trainer, fsdp_units
 
-    trainer = Trainer(model, mesh, wrapper, samples=samples)
-    trainer.step()
-    saved = SavedActivations(exclude=trainer.model.parameters())
-    hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
-             for m in trainer.model.modules()]
-    sizes = _CollectiveSizes()
-    gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
+    held = sum(local_bytes(t) for t in [*model.parameters(), *model.buffers()])
+    with AllocatorPeak(next(model.parameters()).device, held_at_start=held) as allocator:
+        trainer = Trainer(model, mesh, wrapper, samples=samples, levers=levers)
+        trainer.step()
+        saved = SavedActivations(exclude=trainer.model.parameters())
+        hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
+                 for m in trainer.model.modules()]
+        sizes = _CollectiveSizes()
+        gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
 
-    @contextlib.contextmanager
-    def phase(name):
-        sizes.phase = name
-        with saved if name == "forward" else contextlib.nullcontext():
-            yield
+        @contextlib.contextmanager
+        def phase(name):
+            sizes.phase = name
+            with saved if name == "forward" else contextlib.nullcontext():
+                yield
 
-    with DevicePeak(trainer.device) as peak, sizes, gathered:
-        trainer.step(phase)
-    for h in hooks:
-        h.remove()
+        with allocator.window(), sizes, gathered:
+            trainer.step(phase)
+        for h in hooks:
+            h.remove()
     domain = mesh["domain"].size()
     _, start, stop = shard_bounds(trainer.inputs.shape[shard_dim], domain)[mesh.get_coordinate()[1]]
     own = stop - start if domain > 1 else 0
@@ -118,12 +125,13 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2) ->
     state = state_bytes(trainer.model, trainer.optimizer)
     buffers = {"ddp": sizes.allreduce_total, "fsdp2": gathered.most}.get(wrapper, 0)
     return RankBytes(dist.get_rank(), state["parameters"], state["gradients"], state["optimizer state"], saved.bytes,
-                     round(halos), sizes.largest_broadcast if domain > 1 else 0, buffers,
-                     peak=peak.peak_allocated if peak.measured else None, rows=own or None)
+                     round(halos), sizes.largest_broadcast if domain > 1 else 0, buffers, peak=allocator.peak,
+                     rows=own or None)
 
 
 def compare(predicted: Plan, measured: list[RankBytes]) -> list[dict]:
-    """Per rank, predicted against measured: the CPU byte accounting and, where measured, the GPU allocator's peak."""
+    """Per rank, predicted against measured: the byte accounting (exact on CPU ranks) and the step's peak against
+    the allocator's (``measure_rank``'s ``peak``: CPU allocator on CPU ranks, ``max_memory_allocated`` on GPUs)."""
     rows = []
     for m in measured:
         p = predicted.rows[m.rank]
@@ -133,7 +141,7 @@ def compare(predicted: Plan, measured: list[RankBytes]) -> list[dict]:
                if getattr(p, c) != getattr(m, c)]
         row["categories off"] = ", ".join(off) or "-"
         if m.peak is not None:
-            row |= {"predicted peak": p.peak, "cuda peak": m.peak, "peak error": (p.peak - m.peak) / m.peak}
+            row |= {"predicted peak": p.peak, "measured peak": m.peak, "peak error": (p.peak - m.peak) / m.peak}
         rows.append(row)
     return rows
 
@@ -168,6 +176,15 @@ def conv_stack_kwargs(kwargs: dict) -> dict:
     return {"width": 16, "layers": 3, "kernel_size": 3, "seed": 0} | kwargs
 
 
+def case_levers(case: dict) -> Levers:
+    """A case's ``"levers"`` (JSON: dtypes by name, e.g. ``{"autocast": "bfloat16"}``) as ``sl.train.Levers``."""
+    given = dict(case.get("levers") or {})
+    for name in ("autocast", "param_dtype"):
+        if given.get(name) is not None:
+            given[name] = DTYPES[given[name]]
+    return Levers(**given)
+
+
 def _case_samples(case: dict, steps: int = 2):
     """Inputs and targets for a case: the series' Darcy fields, or random ones of the case's shape (CPU tensors,
     moved to the rank's device by the Trainer)."""
@@ -186,11 +203,14 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
     state = init_distributed(timeout_s)
     results, done = [], {}
     for case in cases:
-        key = json.dumps([conv_stack_kwargs(case["model"]), case["domain"], case["wrapper"], case["field"]])
+        key = json.dumps([conv_stack_kwargs(case["model"]), case["domain"], case["wrapper"], case["field"],
+                          case.get("levers")])
         if key not in done:
             mesh = build_mesh(ddp=case["ddp"], domain=case["domain"])
-            model = conv_stack(**conv_stack_kwargs(case["model"])).to(state.device)
-            mine = measure_rank(model, mesh, case["wrapper"], samples=_case_samples(case)).as_dict()
+            dims = len(case["field"]) - 2 if case.get("field") else 2
+            model = conv_stack(**conv_stack_kwargs(case["model"]), dims=dims).to(state.device)
+            mine = measure_rank(model, mesh, case["wrapper"], samples=_case_samples(case),
+                                levers=case_levers(case)).as_dict()
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             done[key] = everyone
@@ -201,14 +221,16 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
     return {"world_size": state.world_size, "backend": state.backend, "device": state.device, "cases": results}
 
 
-def predict_case(case: dict) -> Plan:
-    """The planner's prediction for one of ``series_cases`` (or any case of that form)."""
+def predict_case(case: dict, device: str = "cuda") -> Plan:
+    """The planner's prediction for one of ``series_cases`` (or any case of that form), for ``device``'s kernels."""
     from .inputs import conv_model
 
     field_shape = case["field"] or [1, 1, 64, 64]  # the Darcy fields of data/
     kwargs = conv_stack_kwargs(case["model"])
-    model = conv_model(2, width=kwargs["width"], depth=kwargs["layers"], kernel_size=kwargs["kernel_size"])
-    return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"])
+    model = conv_model(len(field_shape) - 2, width=kwargs["width"], depth=kwargs["layers"],
+                       kernel_size=kwargs["kernel_size"])
+    return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"], device=device,
+                levers=case_levers(case))
 
 
 def comparison_table(measurement: dict) -> list[dict]:
@@ -216,7 +238,8 @@ def comparison_table(measurement: dict) -> list[dict]:
     rows = []
     for case in measurement["cases"]:
         measured = [RankBytes.from_dict(r) for r in case["ranks"]]
-        rows += [{"case": case["name"]} | row for row in compare(predict_case(case), measured)]
+        device = "cpu" if str(measurement["device"]).startswith("cpu") else "cuda"
+        rows += [{"case": case["name"]} | row for row in compare(predict_case(case, device), measured)]
     return rows
 
 
@@ -244,6 +267,6 @@ def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tu
         return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
     cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
-             f"{fmt_bytes(r['cuda peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
+             f"{fmt_bytes(r['measured peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
     ok = job.placement.device == "cuda" and all(abs(r["peak error"]) <= 0.10 for r in rows)
     return f"on {job.placement.label}: " + "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok

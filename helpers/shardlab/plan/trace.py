@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..train import training_step
+from ..train import Levers, training_step
 from .inputs import OPTIMIZERS
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp)
@@ -172,6 +172,56 @@ class _SavedOnMeta:
         return t
 
 
+# What torch.autocast runs in lower precision, for the ops a field model calls (the CPU and CUDA lists of
+# aten/src/ATen/autocast_mode.cpp share these); everything else runs in the dtype its inputs promote to.
+_LOWER_PRECISION_OPS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
+                        torch.conv_transpose3d, F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                        torch.Tensor.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention}
+
+
+class MetaAutocast(TorchFunctionMode):
+    """``torch.autocast`` for meta tensors, which carry no autocast dispatch key: inside ``with``, the inputs of the
+    ops autocast lowers (``_LOWER_PRECISION_OPS``) are cast to ``dtype`` when they are fp32, and each weight (a leaf
+    that needs a gradient) is cast once and cached until the outermost ``with`` ends, as autocast's cast cache does.
+
+    The casts go through autograd as autocast's do, so the replay saves and frees what a real autocast step does."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __exit__(self, *exc):
+        self.cache.clear()
+        return super().__exit__(*exc)
+
+    def _cast(self, t):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            return t
+        if t.is_leaf and t.requires_grad:
+            if id(t) not in self.cache:
+                self.cache[id(t)] = t.to(self.dtype)
+            return self.cache[id(t)]
+        return t.to(self.dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _LOWER_PRECISION_OPS:
+            args = tuple(self._cast(a) for a in args)
+            kwargs = {k: self._cast(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **(kwargs or {}))
+
+
+class _CastForwardInputs(torch.nn.Module):
+    """FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` at the root: the input cast to ``param_dtype``."""
+
+    def __init__(self, module, dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x):
+        return self.module(x.to(self.dtype))
+
+
 def local_slices(extent: int, n: int) -> list[int]:
     """Rows each of n domain ranks holds: ``torch.chunk`` of the sharded dim, which ``scatter_tensor`` (through
     DTensor's ``Shard``) uses. Uneven: the first ranks get ceil(extent / n), the last one the rest."""
@@ -209,10 +259,15 @@ class _GradientsKept:
 
 
 def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
-               workspace=None) -> Trace:
+               workspace=None, levers: Levers = Levers()) -> Trace:
     """One rank's training step (``sl.train.training_step``) on the meta device: the scatter, then the forward with
     its saved tensors recorded and its convolutions sharded, the loss and the backward, live bytes tracked (with the
-    kernels' ``workspace``, as ``LiveBytes`` takes it)."""
+    kernels' ``workspace``, as ``LiveBytes`` takes it).
+
+    ``model`` is already as ``levers`` make it (checkpointed; in ``param_dtype``, whose input cast is added here);
+    autocast runs as ``MetaAutocast``, in the forward and the loss, and again in backward, where checkpointed
+    blocks are recomputed under autocast (its cast weights are then cached for the whole backward: an
+    over-estimate of one low-precision copy of the weights)."""
     padded: dict[int, float] = {}
     params = list(model.parameters())
     saved = _SavedOnMeta({storage_id(p) for p in params}, padded)
@@ -239,12 +294,20 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
         with contextlib.ExitStack() as stack:
             if name == "forward":
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
-                if domain > 1:
-                    stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
+            if name in ("forward", "backward") and domain > 1:
+                stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
+            if name == "backward" and levers.checkpoint and levers.autocast is not None:
+                stack.enter_context(MetaAutocast(levers.autocast))
+            if name == "backward":
+                # As on ranks, where ShardTensor.backward does it: backward runs with torch functions off, and a
+                # checkpoint turns them back on to recompute its block (workarounds.recompute_with_shard_tensor_
+                # handlers), so the modes above act in the recompute only (a mode is off while handling backward).
+                stack.enter_context(torch._C.DisableTorchFunction())
             yield
 
+    step_model = model if levers.param_dtype is None else _CastForwardInputs(model, levers.param_dtype)
     with LiveBytes(workspace) as live:
-        loss = training_step(model, _GradientsKept(), scatter, phase=phase)
+        loss = training_step(step_model, _GradientsKept(), scatter, phase=phase, levers=levers, autocast=MetaAutocast)
         del loss
     for p in params:
         p.grad = None
