@@ -90,6 +90,9 @@ class Levers:
                              "leave reshard_after_forward=True.")
 
 
+NO_LEVERS = Levers()  # the default: every lever off
+
+
 def checkpoint_blocks(model) -> list[list[torch.nn.Module]]:
     """The blocks ``Levers(checkpoint=True)`` checkpoints in an ``nn.Sequential``: each ``fsdp_units`` unit with
     the parameter-free children that run before it (see ``Levers``); a ValueError for any other model."""
@@ -200,7 +203,7 @@ def evaluate(model, inputs, targets, mesh=None) -> dict[str, float]:
     return {"loss": (sums[0] / sums[2]).item(), "relative L2": (sums[1] / sums[2]).item()}
 
 
-def wrap(model, mesh, how: str, levers: Levers = Levers()):
+def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
     """Sync plain weights and buffers over ``mesh["domain"]``, then wrap on ``mesh["ddp"]`` as asked.
 
     ``how``: "none" (gradients averaged by hand in ``train``), "ddp" (all parameters are plain
@@ -253,7 +256,7 @@ def average_gradients_by_hand(model, group) -> None:
             p.grad /= size
 
 
-def training_step(model, optimizer, batch, reduce_gradients=None, phase=None, levers: Levers = Levers(),
+def training_step(model, optimizer, batch, reduce_gradients=None, phase=None, levers: Levers = NO_LEVERS,
                   autocast=None):
     """One training step, phase by phase (``PHASES``): ``batch()`` gives (input, target), sharded or not; the
     model's forward; the mean squared error; ``zero_grad`` and backward; ``reduce_gradients()`` if given, then the
@@ -297,7 +300,7 @@ class Trainer:
     (batch 1 per domain group); ``step()`` returns the global mean loss, identical on every rank.
     """
 
-    def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None, levers: Levers = Levers()):
+    def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None, levers: Levers = NO_LEVERS):
         self.device = next(model.parameters()).device
         if self.device.type != mesh.device_type:
             raise ValueError(f"the model is on {self.device.type} but the mesh on {mesh.device_type}: move the model "
@@ -364,7 +367,7 @@ class Run:
     optimizer: object
 
 
-def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None, levers: Levers = Levers()) -> Run:
+def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None, levers: Levers = NO_LEVERS) -> Run:
     """Train ``steps`` steps on the mesh with a ``Trainer``; ``.losses`` is the global mean loss per step."""
     trainer = Trainer(model, mesh, how, lr=lr, samples=samples, levers=levers)
     for _ in range(steps):

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..launch import init_distributed, run_job
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
-from ..train import Levers
+from ..train import NO_LEVERS, Levers
 from .inputs import DTYPES, fmt_bytes
 from .planner import plan
 from .records import ACCOUNTED, Plan, RankBytes
@@ -79,7 +79,7 @@ class _GatheredParameters(TorchDispatchMode):
         return out
 
 
-def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = Levers()
+def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = NO_LEVERS
                  ) -> RankBytes:
     """On every rank together: one training step of ``sl.train.Trainer`` with ``levers`` (after a warm-up step, so
     that gradients and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's

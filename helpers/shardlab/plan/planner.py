@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mesh import check_batch_per_domain_group
-from ..train import WRAPPERS, Levers, fsdp_units, use_checkpointing
+from ..train import NO_LEVERS, WRAPPERS, Levers, fsdp_units, use_checkpointing
 from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
 from .records import BUFFERS, Plan, RankBytes, headroom
 from .trace import (
@@ -128,7 +128,7 @@ class Planner:
             self._shards[ddp] = [fsdp_shards(p.shape, ddp) for p in self.params]
         return tuple(shapes[index] for shapes, _ in self._shards[ddp])
 
-    def _state(self, wrapper: str, ddp: int, index: int, levers: Levers = Levers()) -> _State:
+    def _state(self, wrapper: str, ddp: int, index: int, levers: Levers = NO_LEVERS) -> _State:
         """Cached by what it depends on: the wrapper, the local shard shapes, and for FSDP2 the padded shards (the
         ddp size) and its levers. Thousands of ddp ranks share a handful of shard shapes."""
         shapes = self._local_shapes(wrapper, ddp, index)
@@ -153,7 +153,7 @@ class Planner:
         self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device + blocks(buffers), scratch)
         return self._states[key]
 
-    def _check(self, ddp: int, domain: int, wrapper: str, levers: Levers = Levers()) -> list[int]:
+    def _check(self, ddp: int, domain: int, wrapper: str, levers: Levers = NO_LEVERS) -> list[int]:
         """The layout's rows per domain rank, or a ValueError that says why it cannot be planned."""
         if wrapper not in WRAPPERS:
             raise ValueError(f"wrapper={wrapper!r}: choose one of {WRAPPERS} (FSDP1 and distribute_module are not "
@@ -201,7 +201,7 @@ class Planner:
     def _transient(self) -> int:
         return max(self.full_fields())  # the larger of the two, in flight during the scatter
 
-    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = Levers()) -> Plan:
+    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> Plan:
         """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis and ``levers``
         (``sl.train.Levers``) on."""
         t0 = time.perf_counter()
@@ -219,7 +219,7 @@ class Planner:
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
                     self.optimizer, self.name, time.perf_counter() - t0, notes, levers)
 
-    def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = Levers()) -> RankBytes:
+    def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> RankBytes:
         """``plan(...).largest()`` without a row for every rank: one rank per distinct shard shape and domain
         position (first, second, last), so a layout of a million ranks is judged in milliseconds."""
         slices = self._check(ddp, domain, wrapper, levers)
@@ -255,12 +255,12 @@ class Planner:
         """The most domain ranks the sharded dim allows."""
         return self._valid_at_or_below(self.field_shape[self.dim])
 
-    def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = Levers()
+    def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS
              ) -> bool:
         need = self.largest(ddp, domain, wrapper, levers).total
         return need + headroom(need, ddp * domain) <= capacity
 
-    def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp", levers: Levers = Levers()
+    def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS
                         ) -> int | None:
         """The fewest domain ranks with which every rank fits in ``capacity`` (headroom kept), or None.
 
@@ -282,7 +282,7 @@ class Planner:
 
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
-         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = Levers()) -> Plan:
+         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = NO_LEVERS) -> Plan:
     """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
     field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
     ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas, ``optimizer`` and ``levers`` (``sl.train.Levers``),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from ..report import Table
-from ..train import Levers
+from ..train import NO_LEVERS, Levers
 from .inputs import GiB, fmt_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
@@ -96,7 +96,7 @@ class Plan:
     model: str = "model"
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    levers: Levers = Levers()
+    levers: Levers = NO_LEVERS
 
     @property
     def world_size(self) -> int:

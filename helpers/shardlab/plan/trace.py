@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..train import Levers, training_step
+from ..train import NO_LEVERS, Levers, training_step
 from .inputs import OPTIMIZERS
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp)
@@ -259,7 +259,7 @@ class _GradientsKept:
 
 
 def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
-               workspace=None, levers: Levers = Levers()) -> Trace:
+               workspace=None, levers: Levers = NO_LEVERS) -> Trace:
     """One rank's training step (``sl.train.training_step``) on the meta device: the scatter, then the forward with
     its saved tensors recorded and its convolutions sharded, the loss and the backward, live bytes tracked (with the
     kernels' ``workspace``, as ``LiveBytes`` takes it).
