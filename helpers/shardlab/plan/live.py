@@ -171,6 +171,34 @@ def series_cases(world: int = 4) -> list[dict]:
     return cases
 
 
+def peak_cases(world: int = 4, scale: int = 1) -> list[dict]:
+    """The configurations the planner's step peak is checked on, against the allocator's peak measured on ``world``
+    ranks: 2-D and 3-D fields, even and uneven shards, DDP, FSDP2 and none, checkpointing, bf16 (autocast and
+    FSDP2's param_dtype), reshard_after_forward False, domain 1, 2 and 4 where they divide ``world`` (ddp = the rest).
+    Spatial sizes are multiplied by ``scale`` (1: a few seconds on CPU ranks; ``make gpu-check`` takes larger ones).
+    Two are state-heavy (width 64 on a small field), so FSDP2's gathered units and gradients weigh in the peak."""
+    bf16 = "bfloat16"
+    table = [  # name, domain, wrapper, width, spatial, levers
+        ("2-D even", 4, "ddp", 16, (64, 64), {}),
+        ("2-D uneven, checkpoint", 4, "ddp", 16, (66, 64), {"checkpoint": True}),
+        ("2-D", 2, "fsdp2", 16, (96, 64), {}),
+        ("2-D, checkpoint + param_dtype bf16", 2, "fsdp2", 16, (96, 64), {"checkpoint": True, "param_dtype": bf16}),
+        ("2-D, autocast bf16", 2, "ddp", 16, (96, 64), {"autocast": bf16}),
+        ("2-D uneven, checkpoint + autocast bf16", 4, "none", 16, (130, 64), {"checkpoint": True, "autocast": bf16}),
+        ("2-D state-heavy", 1, "fsdp2", 64, (32, 32), {}),
+        ("2-D state-heavy, no reshard after forward", 1, "fsdp2", 64, (32, 32), {"reshard_after_forward": False}),
+        ("3-D", 2, "fsdp2", 8, (20, 16, 16), {}),
+        ("3-D uneven, checkpoint", 4, "ddp", 8, (18, 12, 12), {"checkpoint": True}),
+    ]
+    cases = []
+    for name, domain, wrapper, width, spatial, levers in table:
+        domain = domain if world % domain == 0 else 1
+        field = [1, 1, *(size * scale for size in spatial)]
+        cases.append({"name": f"{name}, {wrapper} N={domain}", "model": {"width": width, "layers": 3},
+                      "domain": domain, "ddp": world // domain, "wrapper": wrapper, "field": field, "levers": levers})
+    return cases
+
+
 def conv_stack_kwargs(kwargs: dict) -> dict:
     """``conv_stack``'s keyword arguments with its defaults filled in (so equal models compare equal)."""
     return {"width": 16, "layers": 3, "kernel_size": 3, "seed": 0} | kwargs
@@ -218,7 +246,8 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         results.append(case | {"ranks": done[key]})
-    return {"world_size": state.world_size, "backend": state.backend, "device": state.device, "cases": results}
+    return {"world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "threads": torch.get_num_threads(), "cases": results}
 
 
 def predict_case(case: dict, device: str = "cuda") -> Plan:
@@ -243,6 +272,21 @@ def comparison_table(measurement: dict) -> list[dict]:
     return rows
 
 
+def peak_table(measurement: dict) -> list[dict]:
+    """Per case of a ``measure_cases`` result: the planner's step peak against the allocator's, for the rank that
+    needs the most (predicted), and the worst error over all ranks."""
+    rows = comparison_table(measurement)
+    table = []
+    for case in measurement["cases"]:
+        ranks = [r for r in rows if r["case"] == case["name"]]
+        big = max(ranks, key=lambda r: r["predicted peak"])
+        worst = max(ranks, key=lambda r: abs(r["peak error"]))
+        table.append({"configuration": case["name"], "rank": big["rank"], "predicted peak": big["predicted peak"],
+                      "measured peak": big["measured peak"], "error": big["peak error"],
+                      "worst rank error": worst["peak error"]})
+    return table
+
+
 def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0):
     """Start ``n`` ranks (torchrun, through ``launch.run_job``) that measure ``cases`` (default:
     ``series_cases(n)``); the job, whose ``.result`` is rank 0's measurement and ``.placement`` says where it ran."""
@@ -252,21 +296,17 @@ def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float =
         return run_job("torchrun", n, "shardlab.plan", ["--measure", "--cases", str(spec)], timeout_s=timeout_s)
 
 
-def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
-    """For ``make gpu-check``: the planner's predicted peak per rank against ``max_memory_allocated`` on real GPUs,
-    within 10 %, on a ``field_size``² field (DDP and FSDP2; N = 1, and N = number of GPUs when it is 2 or more)."""
-    cases = []
-    for n in sorted({1, gpus}):
-        for wrapper in ("ddp", "fsdp2"):
-            cases.append({"name": f"{field_size}^2 N={n} {wrapper}", "model": {"width": 16, "layers": 3},
-                          "domain": n, "ddp": gpus // n, "wrapper": wrapper, "field": [1, 1, field_size, field_size]})
-    job = measure_on_ranks(gpus, cases, timeout_s)
+def gpu_check(gpus: int, timeout_s: float = 300.0, scale: int = 16) -> tuple[str, bool]:
+    """For ``make gpu-check``: the planner's predicted step peak per rank against ``max_memory_allocated`` on real
+    GPUs, within 10 %, for ``peak_cases(gpus, scale)`` (the configurations CPU ranks check against their allocator,
+    ``scale`` times larger: a 1024 x 1024 field at 16)."""
+    job = measure_on_ranks(gpus, peak_cases(gpus, scale), timeout_s)
     measurement = job.result
     rows = comparison_table(measurement)
-    if not all("peak error" in r for r in rows):
+    if not all(r.get("measured peak") is not None for r in rows) or job.placement.device != "cuda":
         return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
-    cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
+    cells = [f"{r['case']}: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
              f"{fmt_bytes(r['measured peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
-    ok = job.placement.device == "cuda" and all(abs(r["peak error"]) <= 0.10 for r in rows)
+    ok = all(abs(r["peak error"]) <= 0.10 for r in rows)
     return f"on {job.placement.label}: " + "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok

@@ -37,6 +37,8 @@ class _State:
     buffers: int
     device_bytes: int  # the same, as the GPU allocator holds them (FSDP2's padded shards, 512-byte blocks)
     scratch: int  # the optimizer step's own temporaries
+    gathered_forward: int = 0  # FSDP2's gathered parameters at their most in forward (= buffers), and in backward
+    gathered_backward: int = 0
 
 
 class Planner:
@@ -120,6 +122,20 @@ class Planner:
         return root + max((kept + before + 2 * size for kept, before, size in zip(held, [0, *children], children)),
                           default=0)
 
+    def _gathered_in_backward(self, ddp: int, elsize: int, reshard_after_forward: bool, reduce_elsize: int) -> int:
+        """FSDP2's parameter and gradient buffers at their most in backward: the root's parameters; at each unit, its
+        gathered parameters and the next unit's, which it prefetches (or, without ``reshard_after_forward``, every
+        unit not yet done, still gathered since forward); and, with more than one ddp rank, the flat reduce-scatter
+        input of the largest unit's gradients, in the reduce dtype (fp32 under ``param_dtype``). The unsharded
+        gradients themselves are the replay's, in the parameters' dtype."""
+        *children, root = [sum(fsdp_shards(p.shape, ddp)[1] * ddp for p in unit) for unit in self.units]
+        if reshard_after_forward:
+            held = [size + before for before, size in zip([0, *children], children)]
+        else:
+            held = [sum(children[: i + 1]) for i in range(len(children))]
+        reduce = max(children, default=0) * reduce_elsize if ddp > 1 else 0
+        return root * elsize + max(held, default=0) * elsize + reduce
+
     def _local_shapes(self, wrapper: str, ddp: int, index: int) -> tuple:
         """The shapes of the parameters ddp index ``index`` holds: the whole of each, or its FSDP2 shard."""
         if wrapper != "fsdp2":
@@ -146,11 +162,15 @@ class Planner:
             device = sum(blocks(padded[id(p)] * elsize) for p in [*self.params, *self.trainable])
             gathered_size = torch.empty((), dtype=levers.param_dtype or self.dtype).element_size()
             buffers = self._gathered(ddp, gathered_size, levers.reshard_after_forward)
+            backward = self._gathered_in_backward(ddp, gathered_size, levers.reshard_after_forward, elsize)
         else:
             device = sum(blocks(nbytes(p)) for p in [*self.params, *self.trainable])
             buffers = grads if wrapper == "ddp" else 0
+            device += blocks(buffers)  # DDP's buckets: allocated when it wraps, held throughout
         opt_bytes, opt_device, scratch = optimizer_state(self.optimizer, tensors)
-        self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device + blocks(buffers), scratch)
+        self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device, scratch)
+        if wrapper == "fsdp2":
+            self._states[key].gathered_forward, self._states[key].gathered_backward = blocks(buffers), blocks(backward)
         return self._states[key]
 
     def _check(self, ddp: int, domain: int, wrapper: str, levers: Levers = NO_LEVERS) -> list[int]:
@@ -188,7 +208,8 @@ class Planner:
         trace = self._trace(domain, position, slices[position], levers)
         row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
                         transient if domain > 1 else 0, state.buffers, rows=slices[position])
-        row.peak = state.device_bytes + max(trace.peak, trace.after + state.scratch)
+        row.peak = state.device_bytes + max(trace.forward_peak + state.gathered_forward,
+                                            trace.backward_peak + state.gathered_backward, trace.after + state.scratch)
         row.temporaries = max(0, row.peak - row.accounted)
         return row
 
