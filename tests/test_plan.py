@@ -334,6 +334,33 @@ def test_the_step_peak_per_rank_is_within_10_percent_of_the_allocators_peak_on_t
     assert not off, off
 
 
+@pytest.mark.parametrize("gpus, factor, device, ok", [(2, 1.05, "cuda", True), (2, 0.85, "cuda", False),
+                                                      (1, 1.0, "cuda", True), (2, 1.0, "cpu", False)])
+def test_gpu_check_judges_every_rank_of_the_peak_configurations(monkeypatch, gpus, factor, device, ok):
+    """The GPU count simulated: the job's measurement is made from the planner's own peaks, scaled by ``factor``."""
+    from types import SimpleNamespace
+
+    cases = plan.peak_cases(gpus, scale=16)
+    assert len(cases) >= 8 and cases[0]["field"] == [1, 1, 64 * 16, 64 * 16]
+    assert {c["domain"] for c in cases} == ({1, 2} if gpus == 2 else {1})
+
+    def fake_job(n, job_cases, timeout_s):
+        assert n == gpus and job_cases == cases
+        measured = [case | {"ranks": [r.as_dict() | {"peak": round(r.peak / factor)} for r in
+                                      plan.predict_case(case, "cuda").rows]} for case in job_cases]
+        label = f"{n} {'CUDA' if device == 'cuda' else 'CPU'} rank(s)"
+        return SimpleNamespace(result={"world_size": n, "backend": "nccl", "device": f"{device}:0",
+                                       "cases": measured}, placement=SimpleNamespace(device=device, label=label))
+
+    monkeypatch.setattr(plan.live, "measure_on_ranks", fake_job)
+    result, passed = plan.gpu_check(gpus)
+    assert passed == ok, result
+    if device == "cuda":
+        assert result.count("max_memory_allocated") == len(cases) and f"worst rank {factor - 1:+.1%}"[:12] in result
+    else:
+        assert result.startswith("no CUDA peak was measured")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_predicted_peak_is_within_10_percent_of_max_memory_allocated(no_leftovers):
