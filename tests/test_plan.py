@@ -20,6 +20,7 @@ import torch
 
 from shardlab import plan, plot
 from shardlab.models import conv_stack
+from shardlab.train import Levers
 
 KIB = 1024
 
@@ -228,23 +229,25 @@ def test_what_cannot_be_planned_truthfully_is_refused_with_the_reason():
         plan.Planner(torch.nn.Linear(5, 5), (1, 1, 64, 64))
 
 
-def profiled_step_peak(model, field_shape, optimizer: str, dtype) -> int:
+def profiled_step_peak(model, field_shape, optimizer: str, dtype, levers) -> int:
     """The allocator's peak over one training step on this CPU, read from torch.profiler's memory events (every
     allocation and free the CPU allocator makes, kernels' own buffers included), plus the bytes held before it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from shardlab.train import training_step
+    from shardlab.train import training_step, use_checkpointing
 
     model = model.to(dtype)
+    if levers.checkpoint:
+        use_checkpointing(model)
     opt = plan.OPTIMIZERS[optimizer](model.parameters())
     x = torch.randn(field_shape, dtype=dtype)
     y = torch.randn((field_shape[0], 1, *field_shape[2:]), dtype=dtype)
-    training_step(model, opt, lambda: (x.clone(), y.clone()))  # gradients and optimizer state exist from here
+    training_step(model, opt, lambda: (x.clone(), y.clone()), levers=levers)  # gradients and optimizer state exist
     state = [*model.parameters(), *(p.grad for p in model.parameters()),
              *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]
     held = sum(t.numel() * t.element_size() for t in state)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        training_step(model, opt, lambda: (x.clone(), y.clone()))  # the batch is copied in, as .to(device) does
+        training_step(model, opt, lambda: (x.clone(), y.clone()), levers=levers)  # the batch copied in, as on a GPU
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     for event in sorted(events, key=lambda e: e.start_ns()):
@@ -253,30 +256,40 @@ def profiled_step_peak(model, field_shape, optimizer: str, dtype) -> int:
     return held + peak
 
 
-PEAK_CASES = [  # (spatial size, width, depth, kernel, optimizer, dtype)
-    ((256, 256), 16, 3, 3, "adam", torch.float32),
-    ((512, 512), 16, 3, 3, "adam", torch.float32),
-    ((256, 256), 32, 5, 3, "sgd", torch.float32),
-    ((200, 136), 8, 4, 3, "adam", torch.float32),  # uneven sides
-    ((192, 192), 16, 3, 5, "adamw", torch.float32),
-    ((32, 32, 32), 8, 3, 3, "adamw", torch.float32),
-    ((24, 40, 32), 8, 4, 3, "sgd-momentum", torch.float32),
-    ((128, 320), 24, 3, 3, "sgd", torch.float32),
-]  # bf16 is left out: oneDNN's bf16 scratch on CPU grows with the thread count (see plan.trace.cpu_workspace)
+CHECKPOINT, AUTOCAST = Levers(checkpoint=True), Levers(autocast=torch.bfloat16)
+PEAK_CASES = [  # (spatial size, width, depth, kernel, optimizer, dtype, levers)
+    ((256, 256), 16, 3, 3, "adam", torch.float32, Levers()),
+    ((512, 512), 16, 3, 3, "adam", torch.float32, CHECKPOINT),
+    ((256, 256), 32, 5, 3, "sgd", torch.float32, Levers()),
+    ((200, 136), 16, 4, 3, "adam", torch.float32, AUTOCAST),  # uneven sides
+    ((192, 192), 16, 3, 5, "adamw", torch.float32, Levers(checkpoint=True, autocast=torch.bfloat16)),
+    ((32, 32, 32), 8, 3, 3, "adamw", torch.float32, Levers()),
+    ((24, 40, 32), 8, 4, 3, "sgd-momentum", torch.float32, CHECKPOINT),
+    ((128, 320), 24, 3, 3, "sgd", torch.float32, AUTOCAST),
+    ((16, 64), 16, 3, 3, "adam", torch.float32, Levers()),  # an input of 16k elements: torch's slow path
+]
 
 
 def test_the_step_peak_is_within_10_percent_of_the_cpu_allocators_peak():
-    """Eight 2-D and 3-D conv stacks, even and uneven, several optimizers, one process: the planner's peak against
-    the CPU allocator's, measured independently (profiler memory events; no code shared with the planner)."""
+    """Nine 2-D and 3-D conv stacks, even and uneven, several optimizers, checkpointing and bf16 autocast, one
+    process: the planner's peak against the CPU allocator's, measured independently (profiler memory events; no code
+    shared with the planner). One intra-op thread, as the ranks run: oneDNN's bf16 scratch grows with the thread
+    count, which the planner does not model (``plan.trace.cpu_workspace``), nor does it fit bf16 layers of fewer than
+    16 channels well: a width-8 stack in bf16 measured 30 % above the prediction (``plan.trace.cpu_workspace``)."""
     rows = []
-    for spatial, width, depth, kernel, optimizer, dtype in PEAK_CASES:
-        field_shape = (1, 1, *spatial)
-        model = conv_stack(width=width, layers=depth, kernel_size=kernel, dims=len(spatial))
-        predicted = plan.plan(model, field_shape, wrapper="none", optimizer=optimizer, dtype=dtype,
-                              device="cpu").rows[0].peak
-        measured = profiled_step_peak(model, field_shape, optimizer, dtype)
-        rows.append((spatial, width, depth, kernel, optimizer, str(dtype), predicted, measured,
-                     f"{(predicted - measured) / measured:+.1%}"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for spatial, width, depth, kernel, optimizer, dtype, levers in PEAK_CASES:
+            field_shape = (1, 1, *spatial)
+            model = conv_stack(width=width, layers=depth, kernel_size=kernel, dims=len(spatial))
+            predicted = plan.plan(model, field_shape, wrapper="none", optimizer=optimizer, dtype=dtype,
+                                  device="cpu", levers=levers).rows[0].peak
+            measured = profiled_step_peak(model, field_shape, optimizer, dtype, levers)
+            rows.append((spatial, width, depth, kernel, optimizer, levers.label, predicted, measured,
+                         f"{(predicted - measured) / measured:+.1%}"))
+    finally:
+        torch.set_num_threads(threads)
     print("\n".join(map(str, rows)))
     assert all(abs(p - m) <= 0.10 * m for *_, p, m, _ in rows), rows
 
