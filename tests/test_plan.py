@@ -182,6 +182,8 @@ def test_command_line_says_what_does_not_fit_and_refuses_a_domain_too_large(caps
     (["--json", "{tmp}"], "cannot write there"),  # a folder
     (["--gpu", "80"], "'80' has no unit: write 80GiB"),
     (["--field", "64x64x64", "--domain", "0"], "ddp=1, domain=0: both axis sizes must be at least 1"),
+    (["--param-dtype", "bfloat16"], "param_dtype=torch.bfloat16 is FSDP2's MixedPrecisionPolicy, and how='ddp': use "
+                                    "how='fsdp2', or autocast=torch.bfloat16"),
 ])
 def test_command_line_bad_input_is_one_line_that_says_what_to_change(args, says, tmp_path, capsys):
     assert plan.main(["--field", "64x64", *[a.format(tmp=tmp_path) for a in args]]) == 2
@@ -194,6 +196,43 @@ def test_command_line_bad_input_is_one_line_that_says_what_to_change(args, says,
 def test_the_verdict_names_the_capacity_it_used_in_gib(gpu, gib, capsys):
     assert plan.main(["--field", "64x64", "--gpu", gpu]) == 0
     assert f"verdict on {gib} GiB GPUs (--gpu {gpu}): fits with" in capsys.readouterr().out
+
+
+def test_each_lever_moves_the_category_it_acts_on():
+    planner = plan.Planner(plan.conv_model(2, width=16, depth=3), (1, 1, 128, 128))
+    base = planner.plan(ddp=2, domain=2, wrapper="fsdp2").rows[0]
+
+    def row(**levers):
+        return planner.plan(ddp=2, domain=2, wrapper="fsdp2", levers=Levers(**levers)).rows[0]
+
+    # Checkpointing keeps each block's input, this rank's 64 rows: the field and two 16-channel tensors; the halo
+    # rows are added inside the blocks, recomputed in backward.
+    checkpointed = row(checkpoint=True)
+    assert checkpointed.activations == (1 + 2 * 16) * 64 * 128 * 4 and checkpointed.halos == 0
+    assert checkpointed.peak < base.peak and checkpointed.params == base.params
+    autocast = row(autocast=torch.bfloat16)  # half the bytes for what convolutions save, plus bf16 weight copies
+    assert base.activations / 2 < autocast.activations < base.activations * 0.6
+    assert (autocast.params, autocast.grads, autocast.optimizer) == (base.params, base.grads, base.optimizer)
+    gathered = row(param_dtype=torch.bfloat16)  # FSDP2 gathers bf16; shards, gradients, Adam stay fp32
+    assert gathered.buffers == base.buffers // 2 and gathered.optimizer == base.optimizer
+    kept = row(reshard_after_forward=False)  # every unit gathered at the end of forward
+    assert kept.buffers > base.buffers and kept.activations == base.activations
+    with pytest.raises(ValueError, match="reshard_after_forward=False is an FSDP2 option"):
+        planner.plan(ddp=2, wrapper="ddp", levers=Levers(reshard_after_forward=False))
+    with pytest.raises(ValueError, match="checkpoint=True cuts an nn.Sequential into blocks"):
+        plan.Planner(Spectral(), (1, 1, 64, 64)).plan(levers=Levers(checkpoint=True))
+
+
+def test_command_line_plans_with_the_levers_on(capsys):
+    base = ["--field", "512x512", "--wrapper", "fsdp2", "--ddp", "2"]
+    totals = {}
+    for name, flags in (("baseline", []), ("checkpoint + param_dtype bf16 + no reshard after forward",
+                                          ["--checkpoint", "--param-dtype", "bfloat16", "--no-reshard-after-forward"])):
+        assert plan.main([*base, *flags]) == 0
+        out = capsys.readouterr().out
+        assert f"; levers: {name}\n" in out
+        totals[name] = out
+    assert totals["baseline"] != totals["checkpoint + param_dtype bf16 + no reshard after forward"]
 
 
 def test_piping_into_head_ends_without_a_traceback():
