@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
-from ..train import WRAPPERS
+from ..train import WRAPPERS, Levers
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
-from .live import comparison_table, measure_cases, measure_on_ranks, series_cases
+from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict
 from .records import LEFT_OUT, Plan
 
@@ -21,7 +21,8 @@ from .records import LEFT_OUT, Plan
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:
     print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
           f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
-          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}")
+          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}; levers: "
+          f"{result.levers}")
     print(result.table())
     for note in result.notes:
         print(f"# {note}")
@@ -67,14 +68,23 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-size", type=int, default=3, help="an odd kernel size: 3, 5, 7, ...")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"], help="forward and loss under torch.autocast")
+    parser.add_argument("--param-dtype", choices=["bfloat16", "float16"],
+                        help="FSDP2's MixedPrecisionPolicy param_dtype (fp32 master weights and gradient reduction)")
+    parser.add_argument("--no-reshard-after-forward", action="store_true",
+                        help="FSDP2 keeps every unit gathered from its forward to its backward")
     parser.add_argument("--json", help="write the per-rank rows and the verdict to this file")
     parser.add_argument("--measure", action="store_true",
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
+    parser.add_argument("--measure-peaks", action="store_true",
+                        help="measure the step peak of the planner's peak configurations (2-D, 3-D, DDP, FSDP2, "
+                             "levers) on --ranks ranks: predicted vs the allocator's, per configuration")
     parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
     parser.add_argument("--ranks", type=int, default=4, help="with --measure: ranks to start")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    if args.measure:
+    if args.measure or args.measure_peaks:
         return _measure_main(args)
 
     try:
@@ -85,7 +95,9 @@ def main(argv=None) -> int:
         model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
         planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
                           name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})")
-        result = planner.plan(args.ddp, args.domain, args.wrapper)
+        levers = Levers(args.checkpoint, args.autocast and DTYPES[args.autocast],
+                        args.param_dtype and DTYPES[args.param_dtype], not args.no_reshard_after_forward)
+        result = planner.plan(args.ddp, args.domain, args.wrapper, levers)
     except ValueError as error:  # one line that says what to change, no traceback
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
@@ -108,11 +120,22 @@ def _print_comparison(measurement: dict) -> None:
                                                         if "peak error" in r else {}) for r in rows]))
 
 
+def _print_peaks(measurement: dict) -> None:
+    print(f"# step peak per rank, planner vs allocator (torch.profiler memory events on CPU, max_memory_allocated on "
+          f"GPU); {measurement['world_size']} rank(s), backend {measurement['backend']}, device "
+          f"{measurement['device']}, {measurement.get('threads', '?')} intra-op thread(s) per rank")
+    print(Table([r | {"predicted peak": fmt_bytes(r["predicted peak"]), "measured peak": fmt_bytes(r["measured peak"]),
+                      "error": f"{r['error']:+.1%}", "worst rank error": f"{r['worst rank error']:+.1%}"}
+                 for r in peak_table(measurement)]))
+
+
 def _measure_main(args) -> int:
     cases = json.loads(Path(args.cases).read_text()) if args.cases else None
+    if args.measure_peaks and cases is None:
+        cases = peak_cases(args.ranks)
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
         measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800).result
-        _print_comparison(measurement)
+        (_print_peaks if args.measure_peaks else _print_comparison)(measurement)
         if args.json:
             Path(args.json).write_text(json.dumps(measurement, indent=1))
         return 0
