@@ -1,6 +1,7 @@
 """Training layer: the wrapper choice is validated, the reference is deterministic, and a checkpoint written
 mid-run resumes on a fresh model at exactly the uninterrupted run's losses (DDP and FSDP2, 2 ranks)."""
 
+import contextlib
 import json
 
 import pytest
@@ -94,6 +95,69 @@ def test_fsdp_units_are_the_trainable_children_then_the_root_with_the_rest():
     units = train.fsdp_units(model)
     assert units == [(model[0], ["weight", "bias"]), (model[2], ["weight", "bias"]),
                      (model, ["scale", "frozen.weight", "frozen.bias"])]
+
+
+def test_levers_name_what_is_on_and_refuse_what_cannot_apply():
+    assert train.Levers().label == str(train.Levers()) == "baseline"
+    both = train.Levers(checkpoint=True, autocast=torch.bfloat16, param_dtype=torch.bfloat16,
+                        reshard_after_forward=False)
+    assert both.label == "checkpoint + autocast bf16 + param_dtype bf16 + no reshard after forward"
+    with pytest.raises(ValueError, match="autocast=torch.float32: give a lower-precision dtype"):
+        train.Levers(autocast=torch.float32)
+    for how in ("none", "ddp"):
+        with pytest.raises(ValueError, match=f"param_dtype=torch.bfloat16 is FSDP2's MixedPrecisionPolicy, and "
+                                             f"how='{how}': use how='fsdp2', or autocast=torch.bfloat16"):
+            train.wrap(torch.nn.Linear(2, 2), None, how, train.Levers(param_dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="reshard_after_forward=False is an FSDP2 option"):
+            train.Levers(reshard_after_forward=False).check(how)
+    train.Levers(param_dtype=torch.float16, reshard_after_forward=False).check("fsdp2")  # what FSDP2 takes
+    with pytest.raises(ValueError, match="this model is a Linear: call torch.utils.checkpoint.checkpoint"):
+        train.use_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_checkpointing_keeps_the_step_and_saves_only_each_blocks_input():
+    from shardlab.measure import SavedActivations
+    from shardlab.models import conv_stack
+
+    plain, checkpointed = conv_stack(width=4), train.use_checkpointing(conv_stack(width=4))
+    assert [[type(m).__name__ for m in block] for block in checkpointed._checkpoint_blocks] == [
+        ["Conv2d"], ["GELU", "Conv2d"], ["GELU", "Conv2d"]]
+    assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x, y = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
+    saved = {}
+    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        levers = train.Levers(checkpoint=name == "checkpointed")
+
+        @contextlib.contextmanager
+        def phase(step_phase, model=model, name=name):
+            with SavedActivations(exclude=model.parameters()) if step_phase == "forward" else contextlib.nullcontext(
+                    ) as counter:
+                yield
+            if counter is not None:
+                saved[name] = counter.counted
+
+        train.training_step(model, optimizer, lambda: (x, y), phase=phase, levers=levers)
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a, b)  # the same step
+    width4 = ((1, 4, 8, 8), 4 * 64 * 4)
+    assert saved["plain"] == [((1, 1, 8, 8), 256), *[width4] * 4]  # each conv's input and each GELU's
+    assert saved["checkpointed"] == [((1, 1, 8, 8), 256), width4, width4]  # each block's input only
+    with pytest.raises(ValueError, match="the model is not checkpointed: build it with sl.train.wrap"):
+        train.training_step(plain, optimizer, lambda: (x, y), levers=train.Levers(checkpoint=True))
+
+
+def test_autocast_runs_the_forward_in_bf16_and_keeps_the_weights_fp32():
+    from shardlab.models import conv_stack
+
+    model = conv_stack(width=4)
+    seen = []
+    model[0].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
+    loss = train.training_step(model, optimizer, lambda: (x, y), levers=train.Levers(autocast=torch.bfloat16))
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 ROUND_TRIP = """

@@ -6,6 +6,7 @@ Introduced in ``notebooks/05_ddp_vs_fsdp2.ipynb``; the capstone (07) builds on i
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,18 +18,138 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from .data import load_darcy
 from .mesh import domain_source
+from .workarounds import recompute_with_shard_tensor_handlers
 
 # PhysicsNeMo is imported inside the functions that use it: the single-process reference
 # (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
 
 WRAPPERS = ("none", "ddp", "fsdp2")
 PHASES = ("scatter", "forward", "loss", "backward", "step")  # one training step, in order: see ``training_step``
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # what autocast and FSDP2's param_dtype may lower to
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The memory levers of a training step, off by default; ``wrap`` and ``training_step`` apply them.
+
+    - ``checkpoint``: activation checkpointing (``torch.utils.checkpoint``, non-reentrant) of an ``nn.Sequential``
+      model, one block per ``fsdp_units`` unit: the unit with the parameter-free modules that run before it (a
+      GELU and the next convolution). A block keeps only its input; what its modules save is recomputed in
+      backward. Each block ends at its unit, so FSDP2's pre-backward all-gather has run when the block is
+      recomputed and the recompute gathers nothing again. Parameter-free modules after the last unit run as usual.
+    - ``autocast``: a lower-precision dtype (``torch.bfloat16``, ``torch.float16``) for the forward and the loss,
+      under ``torch.autocast(device.type, dtype)``; weights stay fp32, autocast caches one low-precision copy of
+      each for the forward.
+    - ``param_dtype``: FSDP2 only, ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32)``: the
+      sharded (master) weights, gradients and optimizer state stay fp32; FSDP2 gathers the weights in
+      ``param_dtype`` and computes in it, then reduces the gradients in fp32.
+    - ``reshard_after_forward``: FSDP2 only; False keeps every unit's gathered weights from its forward to its
+      backward (no second all-gather, more memory).
+    """
+
+    checkpoint: bool = False
+    autocast: torch.dtype | None = None
+    param_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        for name in ("autocast", "param_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in LOW_PRECISION):
+                raise ValueError(f"{name}={dtype!r}: give a lower-precision dtype, torch.bfloat16 or torch.float16, "
+                                 "or None to leave it off (fp32 is what the step computes in without it).")
+
+    @property
+    def label(self) -> str:
+        """What is on, for a bar label: "checkpoint + autocast bf16", "baseline" when nothing is."""
+        short = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+        on = [name for name, is_on in (
+            ("checkpoint", self.checkpoint),
+            (f"autocast {short.get(self.autocast)}", self.autocast is not None),
+            (f"param_dtype {short.get(self.param_dtype)}", self.param_dtype is not None),
+            ("no reshard after forward", not self.reshard_after_forward)) if is_on]
+        return " + ".join(on) or "baseline"
+
+    def __str__(self) -> str:
+        return self.label
+
+    def check(self, how: str) -> None:
+        """Refuse, with what to change, the levers this wrapper cannot apply."""
+        if how != "fsdp2" and self.param_dtype is not None:
+            raise ValueError(f"param_dtype={self.param_dtype} is FSDP2's MixedPrecisionPolicy, and how={how!r}: use "
+                             f"how='fsdp2', or autocast={self.param_dtype} for a lower-precision forward with {how}.")
+        if how != "fsdp2" and not self.reshard_after_forward:
+            raise ValueError(f"reshard_after_forward=False is an FSDP2 option, and how={how!r}: use how='fsdp2', or "
+                             "leave reshard_after_forward=True.")
+
+
+NO_LEVERS = Levers()  # the default: every lever off
+
+
+def checkpoint_blocks(model) -> list[list[torch.nn.Module]]:
+    """The blocks ``Levers(checkpoint=True)`` checkpoints in an ``nn.Sequential``: each ``fsdp_units`` unit with
+    the parameter-free children that run before it (see ``Levers``); a ValueError for any other model."""
+    if not isinstance(model, torch.nn.Sequential):
+        raise ValueError(f"checkpoint=True cuts an nn.Sequential into blocks, and this model is a "
+                         f"{type(model).__name__}: call torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
+                         "around its blocks inside its forward instead, and leave the lever off.")
+    blocks, pending = [], []
+    for child in model:
+        pending.append(child)
+        if any(p.requires_grad for p in child.parameters()):
+            blocks.append(pending)
+            pending = []
+    return blocks + ([pending] if pending else [])
+
+
+def _run(modules, x):
+    for module in modules:
+        x = module(x)
+    return x
+
+
+class _HeldForRecompute(torch.autograd.Function):
+    """The identity, saving its input for backward: a checkpointed block's input, which the checkpoint keeps alive
+    to recompute the block from, is then seen where saved activations are counted (``saved_tensors_hooks``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _checkpointed_forward(model, x):
+    for block in model._checkpoint_blocks:
+        if any(p.requires_grad for m in block for p in m.parameters()) and torch.is_grad_enabled():
+            x = checkpoint(functools.partial(_run, block), _HeldForRecompute.apply(x), use_reentrant=False,
+                           context_fn=recompute_with_shard_tensor_handlers)
+        else:
+            x = _run(block, x)
+    return x
+
+
+def use_checkpointing(model):
+    """``model`` (an ``nn.Sequential``) with its forward checkpointed block by block (``checkpoint_blocks``), in
+    place: parameter names and the state dict are unchanged."""
+    model._checkpoint_blocks = checkpoint_blocks(model)
+    model.forward = functools.partial(_checkpointed_forward, model)
+    return model
+
+
+def is_checkpointed(model) -> bool:
+    """Whether ``use_checkpointing`` was applied to the model (or to the module DDP wraps)."""
+    return hasattr(getattr(model, "module", model), "_checkpoint_blocks")
 
 
 def normalized_darcy(samples: int | None = None, split: str = "train", dtype: torch.dtype = torch.float32) -> tuple:
@@ -82,17 +203,22 @@ def evaluate(model, inputs, targets, mesh=None) -> dict[str, float]:
     return {"loss": (sums[0] / sums[2]).item(), "relative L2": (sums[1] / sums[2]).item()}
 
 
-def wrap(model, mesh, how: str):
+def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
     """Sync plain weights and buffers over ``mesh["domain"]``, then wrap on ``mesh["ddp"]`` as asked.
 
     ``how``: "none" (gradients averaged by hand in ``train``), "ddp" (all parameters are plain
     tensors; DDP broadcasts rank 0's weights to the replicas), or "fsdp2" (``fully_shard`` on the ddp
     mesh: parameters become DTensors; it broadcasts nothing, so the replicas are synced first too).
+    ``levers``: checkpointing is applied before wrapping, FSDP2's ``param_dtype`` and ``reshard_after_forward``
+    by ``fully_shard``; autocast is ``training_step``'s.
     """
     from physicsnemo.domain_parallel import sync_module_over_mesh
 
     if how not in WRAPPERS:
         raise ValueError(f"how={how!r}: use one of {WRAPPERS}. FSDP1 and distribute_module are not options here.")
+    levers.check(how)
+    if levers.checkpoint:
+        use_checkpointing(model)
     if mesh["domain"].size() > 1:
         sync_module_over_mesh(model, mesh["domain"])  # before wrapping: FSDP2 would make them DTensors
     if how == "fsdp2" and mesh["ddp"].size() > 1:
@@ -100,8 +226,10 @@ def wrap(model, mesh, how: str):
     if how == "ddp":
         return DistributedDataParallel(model, process_group=mesh["ddp"].get_group())
     if how == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=levers.param_dtype, reduce_dtype=torch.float32
+                                      if levers.param_dtype is not None else None)
         for unit, _ in fsdp_units(model):  # the root comes last: fully_shard takes its remaining parameters
-            fully_shard(unit, mesh=mesh["ddp"])
+            fully_shard(unit, mesh=mesh["ddp"], reshard_after_forward=levers.reshard_after_forward, mp_policy=policy)
     return model
 
 
@@ -128,22 +256,33 @@ def average_gradients_by_hand(model, group) -> None:
             p.grad /= size
 
 
-def training_step(model, optimizer, batch, reduce_gradients=None, phase=None):
+def training_step(model, optimizer, batch, reduce_gradients=None, phase=None, levers: Levers = NO_LEVERS,
+                  autocast=None):
     """One training step, phase by phase (``PHASES``): ``batch()`` gives (input, target), sharded or not; the
     model's forward; the mean squared error; ``zero_grad`` and backward; ``reduce_gradients()`` if given, then the
     optimizer's step. Returns the loss.
 
     ``phase(name)``, if given, is a context manager entered around each phase: how the planner replays this very
-    step on the meta device and how ``sl.plan.measure_rank`` instruments it on real ranks.
+    step on the meta device and how ``sl.plan.measure_rank`` instruments it on real ranks. ``levers.autocast``: the
+    forward and the loss run under ``torch.autocast`` of the input's device, or of ``autocast(dtype)`` if given (the
+    planner's stand-in on the meta device); ``levers.checkpoint`` needs a model ``wrap`` checkpointed.
     """
     phase = phase or (lambda name: contextlib.nullcontext())
+    if levers.checkpoint and not is_checkpointed(model):
+        raise ValueError("levers.checkpoint is on but the model is not checkpointed: build it with "
+                         "sl.train.wrap(model, mesh, how, levers) (or sl.train.use_checkpointing(model)).")
     with phase("scatter"):
         x, y = batch()
-    with phase("forward"):
-        out = model(x)
-    with phase("loss"):
-        loss = ((out - y) ** 2).mean()
-        del out, x, y  # what backward needs, autograd keeps
+    if levers.autocast is None:
+        lower = contextlib.nullcontext()
+    else:
+        lower = (autocast or functools.partial(torch.autocast, x.device.type))(dtype=levers.autocast)
+    with lower:
+        with phase("forward"):
+            out = model(x)
+        with phase("loss"):
+            loss = ((out - y) ** 2).mean()
+            del out, x, y  # what backward needs, autograd keeps
     with phase("backward"):
         optimizer.zero_grad()
         loss.backward()
@@ -161,7 +300,7 @@ class Trainer:
     (batch 1 per domain group); ``step()`` returns the global mean loss, identical on every rank.
     """
 
-    def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None):
+    def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None, levers: Levers = NO_LEVERS):
         self.device = next(model.parameters()).device
         if self.device.type != mesh.device_type:
             raise ValueError(f"the model is on {self.device.type} but the mesh on {mesh.device_type}: move the model "
@@ -170,7 +309,8 @@ class Trainer:
         self.inputs, self.targets = samples if samples is not None else normalized_darcy()
         self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
         self.src = domain_source(mesh)
-        self.model = wrap(model, mesh, how)
+        self.levers = levers
+        self.model = wrap(model, mesh, how, levers)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.steps_done = 0
         self.losses: list[float] = []
@@ -180,7 +320,8 @@ class Trainer:
         from physicsnemo.domain_parallel import scatter_tensor
 
         i = sample_index(step, self.ddp_size, self.replica, len(self.inputs))
-        x, y = self.inputs[i : i + 1].to(self.device), self.targets[i : i + 1].to(self.device)
+        # A copy on CPU ranks too, as .to(cuda) makes on a GPU: the step's bytes are then the same on both.
+        x, y = self.inputs[i : i + 1].to(self.device, copy=True), self.targets[i : i + 1].to(self.device, copy=True)
         if self.mesh["domain"].size() > 1:
             x = scatter_tensor(x, self.src, self.mesh["domain"], (Shard(2),))
             y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
@@ -191,7 +332,8 @@ class Trainer:
         reduce = None
         if self.how == "none" and self.ddp_size > 1:
             reduce = lambda: average_gradients_by_hand(self.model, self.mesh["ddp"].get_group())  # noqa: E731
-        loss = training_step(self.model, self.optimizer, lambda: self.batch(self.steps_done), reduce, phase)
+        loss = training_step(self.model, self.optimizer, lambda: self.batch(self.steps_done), reduce, phase,
+                             self.levers)
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         value = value.detach().reshape(1).clone()
         dist.all_reduce(value, group=self.mesh["ddp"].get_group())
@@ -225,9 +367,9 @@ class Run:
     optimizer: object
 
 
-def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None) -> Run:
+def train(model, mesh, how: str, steps: int = 5, lr: float = 1e-3, samples=None, levers: Levers = NO_LEVERS) -> Run:
     """Train ``steps`` steps on the mesh with a ``Trainer``; ``.losses`` is the global mean loss per step."""
-    trainer = Trainer(model, mesh, how, lr=lr, samples=samples)
+    trainer = Trainer(model, mesh, how, lr=lr, samples=samples, levers=levers)
     for _ in range(steps):
         trainer.step()
     return Run(trainer.losses, trainer.model, trainer.optimizer)

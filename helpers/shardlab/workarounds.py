@@ -159,3 +159,32 @@ def register_shard_ops_on_cpu(everything: bool = False) -> None:
 
     for name in SERIES_SHARD_WRAPPERS:
         importlib.import_module(f"physicsnemo.domain_parallel.shard_utils.{name}")
+
+
+class _ShardTensorHandlersOn:
+    """Subclass ``__torch_function__`` (hence ShardTensor's op handlers) on inside ``with``, whatever was outside."""
+
+    def __enter__(self):
+        import torch
+
+        self._enabled = torch._C._EnableTorchFunction()
+        return self._enabled.__enter__()
+
+    def __exit__(self, *exc):
+        return self._enabled.__exit__(*exc)
+
+
+def recompute_with_shard_tensor_handlers():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward as usual, the recompute with ShardTensor's
+    handlers on.
+
+    Upstream: ``ShardTensor.backward`` (physicsnemo 2.2.2, ``domain_parallel/shard_tensor.py``) calls
+    ``torch.Tensor.backward``, which ShardTensor's ``__torch_function__`` sends to its DTensor fallback, and that runs
+    the whole backward under ``torch._C.DisableTorchFunctionSubclass()``. A non-reentrant checkpoint recomputes its
+    block inside that backward, so the recomputed convolutions skip ShardTensor's halo handler, run through DTensor
+    on the global shape, and checkpoint raises "Recomputed values ... have different metadata" (checkpoint is not
+    aware of ``__torch_function__``: pytorch/pytorch issue #147995). Not yet reported to PhysicsNeMo.
+    """
+    import contextlib
+
+    return contextlib.nullcontext(), _ShardTensorHandlersOn()

@@ -84,6 +84,56 @@ class DevicePeak:
                 "peak above start": self.peak_above_start, "peak reserved": self.peak_reserved}
 
 
+class AllocatorPeak:
+    """The allocator's peak bytes on this rank over a ``window()`` inside ``with``: what a training step really held
+    at its most, taken from the allocator alone (no byte model).
+
+    On a GPU: ``torch.cuda.max_memory_allocated`` over the window (``DevicePeak``). On a CPU rank: torch.profiler's
+    memory events (every allocation and free the CPU allocator makes, kernels' own buffers included), summed in time
+    order from the start of ``with``, plus ``held_at_start``, the bytes the caller knows were allocated before it
+    (e.g. the model's parameters), since the profiler sees only what happens inside. ``peak`` is None until the
+    window has closed."""
+
+    WINDOW = "shardlab: measured window"
+
+    def __init__(self, device, held_at_start: int = 0):
+        self.device = torch.device(device)
+        self.held_at_start = held_at_start
+        self.peak: int | None = None
+        self._profile = None
+
+    def __enter__(self):
+        if self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def window(self):
+        if self._profile is None:
+            with DevicePeak(self.device) as peak:
+                yield
+            self.peak = peak.peak_allocated
+            return
+        with torch.profiler.record_function(self.WINDOW):
+            yield
+
+    def __exit__(self, *exc):
+        if self._profile is None:
+            return
+        self._profile.__exit__(*exc)
+        events = list(self._profile.profiler.kineto_results.events())
+        start, end = next((e.start_ns(), e.end_ns()) for e in events if e.name() == self.WINDOW)
+        live, peak = self.held_at_start, None
+        for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            live += event.nbytes()
+            if start <= event.start_ns() <= end:
+                peak = max(live, peak or live)
+        self.peak = peak
+
+
 @contextlib.contextmanager
 def fp32_precision(precision: str):
     """Inside ``with``: fp32 matmuls and cuDNN convolutions in ``precision`` ("ieee": full fp32, "tf32"), restored on

@@ -45,6 +45,8 @@ from .live import (
     measure_cases,
     measure_on_ranks,
     measure_rank,
+    peak_cases,
+    peak_table,
     predict_case,
     series_cases,
 )
@@ -55,4 +57,4 @@ from .trace import conv_halo
 __all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "OPTIMIZERS", "GiB", "MiB", "Plan",
            "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model", "fmt_bytes",
            "gpu_check", "headroom", "main", "measure_cases", "measure_on_ranks", "measure_rank", "parse_field",
-           "parse_size", "plan", "predict_case", "series_cases", "verdict"]
+           "parse_size", "peak_cases", "peak_table", "plan", "predict_case", "series_cases", "verdict"]

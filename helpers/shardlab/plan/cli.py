@@ -13,7 +13,7 @@ from ..launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
 from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
-from .live import comparison_table, measure_cases, measure_on_ranks, series_cases
+from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict
 from .records import LEFT_OUT, Plan
 
@@ -70,11 +70,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the per-rank rows and the verdict to this file")
     parser.add_argument("--measure", action="store_true",
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
+    parser.add_argument("--measure-peaks", action="store_true",
+                        help="measure the step peak of the planner's peak configurations (2-D, 3-D, DDP, FSDP2, "
+                             "levers) on --ranks ranks: predicted vs the allocator's, per configuration")
     parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
     parser.add_argument("--ranks", type=int, default=4, help="with --measure: ranks to start")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    if args.measure:
+    if args.measure or args.measure_peaks:
         return _measure_main(args)
 
     try:
@@ -108,11 +111,22 @@ def _print_comparison(measurement: dict) -> None:
                                                         if "peak error" in r else {}) for r in rows]))
 
 
+def _print_peaks(measurement: dict) -> None:
+    print(f"# step peak per rank, planner vs allocator (torch.profiler memory events on CPU, max_memory_allocated on "
+          f"GPU); {measurement['world_size']} rank(s), backend {measurement['backend']}, device "
+          f"{measurement['device']}, {measurement.get('threads', '?')} intra-op thread(s) per rank")
+    print(Table([r | {"predicted peak": fmt_bytes(r["predicted peak"]), "measured peak": fmt_bytes(r["measured peak"]),
+                      "error": f"{r['error']:+.1%}", "worst rank error": f"{r['worst rank error']:+.1%}"}
+                 for r in peak_table(measurement)]))
+
+
 def _measure_main(args) -> int:
     cases = json.loads(Path(args.cases).read_text()) if args.cases else None
+    if args.measure_peaks and cases is None:
+        cases = peak_cases(args.ranks)
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
         measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800).result
-        _print_comparison(measurement)
+        (_print_peaks if args.measure_peaks else _print_comparison)(measurement)
         if args.json:
             Path(args.json).write_text(json.dumps(measurement, indent=1))
         return 0

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 from ..launch import init_distributed, run_job
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
-from .inputs import fmt_bytes
+from ..train import NO_LEVERS, Levers
+from .inputs import DTYPES, fmt_bytes
 from .planner import plan
 from .records import ACCOUNTED, Plan, RankBytes
 from .trace import nbytes
@@ -78,38 +79,44 @@ class _GatheredParameters(TorchDispatchMode):
         return out
 
 
-def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2) -> RankBytes:
-    """On every rank together: one training step of ``sl.train.Trainer`` (after a warm-up step, so that gradients
-    and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's bytes.
+def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = NO_LEVERS
+                 ) -> RankBytes:
+    """On every rank together: one training step of ``sl.train.Trainer`` with ``levers`` (after a warm-up step, so
+    that gradients and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's
+    bytes.
 
     The measured step is ``Trainer.step`` itself, instrumented through its phase hooks: the scatter (largest tensor a
     broadcast handles), the forward (``SavedActivations``, also excluding the parameters FSDP2 gathers for each
     layer), the backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
-    On a GPU, ``peak`` is ``max_memory_allocated`` over the measured step (``DevicePeak``).
+    ``peak`` is the allocator's peak over the measured step, taken apart from all that (``sl.measure.AllocatorPeak``:
+    ``max_memory_allocated`` on a GPU, torch.profiler's memory events on a CPU rank, counted from before the model
+    is wrapped).
     """
     import torch.distributed as dist
 
-    from ..measure import DevicePeak, SavedActivations, state_bytes
+    from ..measure import AllocatorPeak, SavedActivations, local_bytes, state_bytes
     from ..train import Trainer, fsdp_units
 
-    trainer = Trainer(model, mesh, wrapper, samples=samples)
-    trainer.step()
-    saved = SavedActivations(exclude=trainer.model.parameters())
-    hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
-             for m in trainer.model.modules()]
-    sizes = _CollectiveSizes()
-    gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
+    held = sum(local_bytes(t) for t in [*model.parameters(), *model.buffers()])
+    with AllocatorPeak(next(model.parameters()).device, held_at_start=held) as allocator:
+        trainer = Trainer(model, mesh, wrapper, samples=samples, levers=levers)
+        trainer.step()
+        saved = SavedActivations(exclude=trainer.model.parameters())
+        hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
+                 for m in trainer.model.modules()]
+        sizes = _CollectiveSizes()
+        gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
 
-    @contextlib.contextmanager
-    def phase(name):
-        sizes.phase = name
-        with saved if name == "forward" else contextlib.nullcontext():
-            yield
+        @contextlib.contextmanager
+        def phase(name):
+            sizes.phase = name
+            with saved if name == "forward" else contextlib.nullcontext():
+                yield
 
-    with DevicePeak(trainer.device) as peak, sizes, gathered:
-        trainer.step(phase)
-    for h in hooks:
-        h.remove()
+        with allocator.window(), sizes, gathered:
+            trainer.step(phase)
+        for h in hooks:
+            h.remove()
     domain = mesh["domain"].size()
     _, start, stop = shard_bounds(trainer.inputs.shape[shard_dim], domain)[mesh.get_coordinate()[1]]
     own = stop - start if domain > 1 else 0
@@ -118,12 +125,13 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2) ->
     state = state_bytes(trainer.model, trainer.optimizer)
     buffers = {"ddp": sizes.allreduce_total, "fsdp2": gathered.most}.get(wrapper, 0)
     return RankBytes(dist.get_rank(), state["parameters"], state["gradients"], state["optimizer state"], saved.bytes,
-                     round(halos), sizes.largest_broadcast if domain > 1 else 0, buffers,
-                     peak=peak.peak_allocated if peak.measured else None, rows=own or None)
+                     round(halos), sizes.largest_broadcast if domain > 1 else 0, buffers, peak=allocator.peak,
+                     rows=own or None)
 
 
 def compare(predicted: Plan, measured: list[RankBytes]) -> list[dict]:
-    """Per rank, predicted against measured: the CPU byte accounting and, where measured, the GPU allocator's peak."""
+    """Per rank, predicted against measured: the byte accounting (exact on CPU ranks) and the step's peak against
+    the allocator's (``measure_rank``'s ``peak``: CPU allocator on CPU ranks, ``max_memory_allocated`` on GPUs)."""
     rows = []
     for m in measured:
         p = predicted.rows[m.rank]
@@ -133,7 +141,7 @@ def compare(predicted: Plan, measured: list[RankBytes]) -> list[dict]:
                if getattr(p, c) != getattr(m, c)]
         row["categories off"] = ", ".join(off) or "-"
         if m.peak is not None:
-            row |= {"predicted peak": p.peak, "cuda peak": m.peak, "peak error": (p.peak - m.peak) / m.peak}
+            row |= {"predicted peak": p.peak, "measured peak": m.peak, "peak error": (p.peak - m.peak) / m.peak}
         rows.append(row)
     return rows
 
@@ -163,9 +171,46 @@ def series_cases(world: int = 4) -> list[dict]:
     return cases
 
 
+def peak_cases(world: int = 4, scale: int = 1) -> list[dict]:
+    """The configurations the planner's step peak is checked on, against the allocator's peak measured on ``world``
+    ranks: 2-D and 3-D fields, even and uneven shards, DDP, FSDP2 and none, checkpointing, bf16 (autocast and
+    FSDP2's param_dtype), reshard_after_forward False, domain 1, 2 and 4 where they divide ``world`` (ddp = the rest).
+    Spatial sizes are multiplied by ``scale`` (1: a few seconds on CPU ranks; ``make gpu-check`` takes larger ones).
+    Two are state-heavy (width 64 on a small field), so FSDP2's gathered units and gradients weigh in the peak."""
+    bf16 = "bfloat16"
+    table = [  # name, domain, wrapper, width, spatial, levers
+        ("2-D even", 4, "ddp", 16, (64, 64), {}),
+        ("2-D uneven, checkpoint", 4, "ddp", 16, (66, 64), {"checkpoint": True}),
+        ("2-D", 2, "fsdp2", 16, (96, 64), {}),
+        ("2-D, checkpoint + param_dtype bf16", 2, "fsdp2", 16, (96, 64), {"checkpoint": True, "param_dtype": bf16}),
+        ("2-D, autocast bf16", 2, "ddp", 16, (96, 64), {"autocast": bf16}),
+        ("2-D uneven, checkpoint + autocast bf16", 4, "none", 16, (130, 64), {"checkpoint": True, "autocast": bf16}),
+        ("2-D state-heavy", 1, "fsdp2", 64, (32, 32), {}),
+        ("2-D state-heavy, no reshard after forward", 1, "fsdp2", 64, (32, 32), {"reshard_after_forward": False}),
+        ("3-D", 2, "fsdp2", 8, (20, 16, 16), {}),
+        ("3-D uneven, checkpoint", 4, "ddp", 8, (18, 12, 12), {"checkpoint": True}),
+    ]
+    cases = []
+    for name, domain, wrapper, width, spatial, levers in table:
+        domain = domain if world % domain == 0 else 1
+        field = [1, 1, *(size * scale for size in spatial)]
+        cases.append({"name": f"{name}, {wrapper} N={domain}", "model": {"width": width, "layers": 3},
+                      "domain": domain, "ddp": world // domain, "wrapper": wrapper, "field": field, "levers": levers})
+    return cases
+
+
 def conv_stack_kwargs(kwargs: dict) -> dict:
     """``conv_stack``'s keyword arguments with its defaults filled in (so equal models compare equal)."""
     return {"width": 16, "layers": 3, "kernel_size": 3, "seed": 0} | kwargs
+
+
+def case_levers(case: dict) -> Levers:
+    """A case's ``"levers"`` (JSON: dtypes by name, e.g. ``{"autocast": "bfloat16"}``) as ``sl.train.Levers``."""
+    given = dict(case.get("levers") or {})
+    for name in ("autocast", "param_dtype"):
+        if given.get(name) is not None:
+            given[name] = DTYPES[given[name]]
+    return Levers(**given)
 
 
 def _case_samples(case: dict, steps: int = 2):
@@ -186,11 +231,14 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
     state = init_distributed(timeout_s)
     results, done = [], {}
     for case in cases:
-        key = json.dumps([conv_stack_kwargs(case["model"]), case["domain"], case["wrapper"], case["field"]])
+        key = json.dumps([conv_stack_kwargs(case["model"]), case["domain"], case["wrapper"], case["field"],
+                          case.get("levers")])
         if key not in done:
             mesh = build_mesh(ddp=case["ddp"], domain=case["domain"])
-            model = conv_stack(**conv_stack_kwargs(case["model"])).to(state.device)
-            mine = measure_rank(model, mesh, case["wrapper"], samples=_case_samples(case)).as_dict()
+            dims = len(case["field"]) - 2 if case.get("field") else 2
+            model = conv_stack(**conv_stack_kwargs(case["model"]), dims=dims).to(state.device)
+            mine = measure_rank(model, mesh, case["wrapper"], samples=_case_samples(case),
+                                levers=case_levers(case)).as_dict()
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             done[key] = everyone
@@ -198,17 +246,20 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         results.append(case | {"ranks": done[key]})
-    return {"world_size": state.world_size, "backend": state.backend, "device": state.device, "cases": results}
+    return {"world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "threads": torch.get_num_threads(), "cases": results}
 
 
-def predict_case(case: dict) -> Plan:
-    """The planner's prediction for one of ``series_cases`` (or any case of that form)."""
+def predict_case(case: dict, device: str = "cuda") -> Plan:
+    """The planner's prediction for one of ``series_cases`` (or any case of that form), for ``device``'s kernels."""
     from .inputs import conv_model
 
     field_shape = case["field"] or [1, 1, 64, 64]  # the Darcy fields of data/
     kwargs = conv_stack_kwargs(case["model"])
-    model = conv_model(2, width=kwargs["width"], depth=kwargs["layers"], kernel_size=kwargs["kernel_size"])
-    return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"])
+    model = conv_model(len(field_shape) - 2, width=kwargs["width"], depth=kwargs["layers"],
+                       kernel_size=kwargs["kernel_size"])
+    return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"], device=device,
+                levers=case_levers(case))
 
 
 def comparison_table(measurement: dict) -> list[dict]:
@@ -216,8 +267,24 @@ def comparison_table(measurement: dict) -> list[dict]:
     rows = []
     for case in measurement["cases"]:
         measured = [RankBytes.from_dict(r) for r in case["ranks"]]
-        rows += [{"case": case["name"]} | row for row in compare(predict_case(case), measured)]
+        device = "cpu" if str(measurement["device"]).startswith("cpu") else "cuda"
+        rows += [{"case": case["name"]} | row for row in compare(predict_case(case, device), measured)]
     return rows
+
+
+def peak_table(measurement: dict) -> list[dict]:
+    """Per case of a ``measure_cases`` result: the planner's step peak against the allocator's, for the rank that
+    needs the most (predicted), and the worst error over all ranks."""
+    rows = comparison_table(measurement)
+    table = []
+    for case in measurement["cases"]:
+        ranks = [r for r in rows if r["case"] == case["name"]]
+        big = max(ranks, key=lambda r: r["predicted peak"])
+        worst = max(ranks, key=lambda r: abs(r["peak error"]))
+        table.append({"configuration": case["name"], "rank": big["rank"], "predicted peak": big["predicted peak"],
+                      "measured peak": big["measured peak"], "error": big["peak error"],
+                      "worst rank error": worst["peak error"]})
+    return table
 
 
 def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float = 900.0):
@@ -229,21 +296,17 @@ def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float =
         return run_job("torchrun", n, "shardlab.plan", ["--measure", "--cases", str(spec)], timeout_s=timeout_s)
 
 
-def gpu_check(gpus: int, timeout_s: float = 300.0, field_size: int = 2048) -> tuple[str, bool]:
-    """For ``make gpu-check``: the planner's predicted peak per rank against ``max_memory_allocated`` on real GPUs,
-    within 10 %, on a ``field_size``² field (DDP and FSDP2; N = 1, and N = number of GPUs when it is 2 or more)."""
-    cases = []
-    for n in sorted({1, gpus}):
-        for wrapper in ("ddp", "fsdp2"):
-            cases.append({"name": f"{field_size}^2 N={n} {wrapper}", "model": {"width": 16, "layers": 3},
-                          "domain": n, "ddp": gpus // n, "wrapper": wrapper, "field": [1, 1, field_size, field_size]})
-    job = measure_on_ranks(gpus, cases, timeout_s)
+def gpu_check(gpus: int, timeout_s: float = 300.0, scale: int = 16) -> tuple[str, bool]:
+    """For ``make gpu-check``: the planner's predicted step peak per rank against ``max_memory_allocated`` on real
+    GPUs, within 10 %, for ``peak_cases(gpus, scale)`` (the configurations CPU ranks check against their allocator,
+    ``scale`` times larger: a 1024 x 1024 field at 16)."""
+    job = measure_on_ranks(gpus, peak_cases(gpus, scale), timeout_s)
     measurement = job.result
     rows = comparison_table(measurement)
-    if not all("peak error" in r for r in rows):
+    if not all(r.get("measured peak") is not None for r in rows) or job.placement.device != "cuda":
         return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
-    cells = [f"{r['case']} rank 0: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
-             f"{fmt_bytes(r['cuda peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
-    ok = job.placement.device == "cuda" and all(abs(r["peak error"]) <= 0.10 for r in rows)
+    cells = [f"{r['case']}: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "
+             f"{fmt_bytes(r['measured peak'])} ({r['peak error']:+.1%})" for r in rows if r["rank"] == 0]
+    ok = all(abs(r["peak error"]) <= 0.10 for r in rows)
     return f"on {job.placement.label}: " + "; ".join(cells) + f"; worst rank {worst['peak error']:+.1%}", ok

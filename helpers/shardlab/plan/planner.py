@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mesh import check_batch_per_domain_group
-from ..train import WRAPPERS, fsdp_units
+from ..train import NO_LEVERS, WRAPPERS, Levers, fsdp_units, use_checkpointing
 from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
 from .records import BUFFERS, Plan, RankBytes, headroom
 from .trace import (
@@ -37,6 +37,8 @@ class _State:
     buffers: int
     device_bytes: int  # the same, as the GPU allocator holds them (FSDP2's padded shards, 512-byte blocks)
     scratch: int  # the optimizer step's own temporaries
+    gathered_forward: int = 0  # FSDP2's gathered parameters at their most in forward (= buffers), and in backward
+    gathered_backward: int = 0
 
 
 class Planner:
@@ -82,27 +84,57 @@ class Planner:
             raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles "
                              "field-to-field models that keep the spatial size.")
         self.out_channels = probe.shape[1]
+        self._models: dict[tuple, torch.nn.Module] = {}  # per (checkpoint, param_dtype): the model as levers make it
         self._traces: dict[tuple, Trace] = {}
         self._states: dict[tuple, _State] = {}
         self._shards: dict[int, list] = {}  # per ddp size: fully_shard's split of each parameter
 
-    def _trace(self, domain: int, position: int, rows: int) -> Trace:
-        key = (domain > 1, position == 0, position == domain - 1, rows)  # all a rank's slice depends on
+    def _model(self, levers: Levers) -> torch.nn.Module:
+        """The meta model as the levers make it: checkpointed, and in FSDP2's ``param_dtype`` (its unsharded
+        parameters, hence its compute and its unsharded gradients, are in that dtype)."""
+        key = (levers.checkpoint, levers.param_dtype)
+        if key not in self._models:
+            model = self.model
+            if levers.checkpoint or levers.param_dtype is not None:
+                model = copy.deepcopy(self.model).to(levers.param_dtype or self.dtype)
+            self._models[key] = use_checkpointing(model) if levers.checkpoint else model
+        return self._models[key]
+
+    def _trace(self, domain: int, position: int, rows: int, levers: Levers) -> Trace:
+        key = (domain > 1, position == 0, position == domain - 1, rows,  # all a rank's slice depends on
+               levers.checkpoint, levers.autocast, levers.param_dtype)
         if key not in self._traces:
-            self._traces[key] = trace_rank(self.model, self.field_shape, self.out_channels, self.dtype, self.dim,
-                                           domain, position, self.workspace)
+            self._traces[key] = trace_rank(self._model(levers), self.field_shape, self.out_channels, self.dtype,
+                                           self.dim, domain, position, self.workspace, levers)
         return self._traces[key]
 
-    def _gathered(self, ddp: int, elsize: int) -> int:
+    def _gathered(self, ddp: int, elsize: int, reshard_after_forward: bool = True) -> int:
         """FSDP2's all-gathered parameters at their most: the root's own (never resharded between forward and
         backward), plus, with more than one ddp rank, a unit twice (its flat all-gather output and the unsharded
         copies made of it) and the unit before it, whose flat output FSDP2 keeps until this copy-out so that the two
         overlap (in backward it prefetches the next unit's all-gather instead: fewer bytes). Padded shards, gathered
-        whole. With one ddp rank there is no all-gather: each unit's shard is copied into its unsharded buffers."""
+        whole. With one ddp rank there is no all-gather: each unit's shard is copied into its unsharded buffers.
+        Without ``reshard_after_forward`` every earlier unit's unsharded copies are still held as well."""
         *children, root = [sum(fsdp_shards(p.shape, ddp)[1] * ddp for p in unit) * elsize for unit in self.units]
+        held = [sum(children[:i]) if not reshard_after_forward else 0 for i in range(len(children))]
         if ddp == 1:
-            return root + max(children, default=0)
-        return root + max((before + 2 * size for before, size in zip([0, *children], children)), default=0)
+            return root + max((kept + size for kept, size in zip(held, children)), default=0)
+        return root + max((kept + before + 2 * size for kept, before, size in zip(held, [0, *children], children)),
+                          default=0)
+
+    def _gathered_in_backward(self, ddp: int, elsize: int, reshard_after_forward: bool, reduce_elsize: int) -> int:
+        """FSDP2's parameter and gradient buffers at their most in backward: the root's parameters; at each unit, its
+        gathered parameters and the next unit's, which it prefetches (or, without ``reshard_after_forward``, every
+        unit not yet done, still gathered since forward); and, with more than one ddp rank, the flat reduce-scatter
+        input of the largest unit's gradients, in the reduce dtype (fp32 under ``param_dtype``). The unsharded
+        gradients themselves are the replay's, in the parameters' dtype."""
+        *children, root = [sum(fsdp_shards(p.shape, ddp)[1] * ddp for p in unit) for unit in self.units]
+        if reshard_after_forward:
+            held = [size + before for before, size in zip([0, *children], children)]
+        else:
+            held = [sum(children[: i + 1]) for i in range(len(children))]
+        reduce = max(children, default=0) * reduce_elsize if ddp > 1 else 0
+        return root * elsize + max(held, default=0) * elsize + reduce
 
     def _local_shapes(self, wrapper: str, ddp: int, index: int) -> tuple:
         """The shapes of the parameters ddp index ``index`` holds: the whole of each, or its FSDP2 shard."""
@@ -112,11 +144,12 @@ class Planner:
             self._shards[ddp] = [fsdp_shards(p.shape, ddp) for p in self.params]
         return tuple(shapes[index] for shapes, _ in self._shards[ddp])
 
-    def _state(self, wrapper: str, ddp: int, index: int) -> _State:
+    def _state(self, wrapper: str, ddp: int, index: int, levers: Levers = NO_LEVERS) -> _State:
         """Cached by what it depends on: the wrapper, the local shard shapes, and for FSDP2 the padded shards (the
-        ddp size). Thousands of ddp ranks share a handful of shard shapes."""
+        ddp size) and its levers. Thousands of ddp ranks share a handful of shard shapes."""
         shapes = self._local_shapes(wrapper, ddp, index)
-        key = (wrapper, ddp if wrapper == "fsdp2" else 1, shapes)
+        fsdp_levers = (levers.param_dtype, levers.reshard_after_forward) if wrapper == "fsdp2" else None
+        key = (wrapper, ddp if wrapper == "fsdp2" else 1, shapes, fsdp_levers)
         if key in self._states:
             return self._states[key]
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -127,19 +160,27 @@ class Planner:
         if wrapper == "fsdp2":
             padded = {id(p): padded for p, (_, padded) in zip(self.params, self._shards[ddp])}
             device = sum(blocks(padded[id(p)] * elsize) for p in [*self.params, *self.trainable])
-            buffers = self._gathered(ddp, elsize)
+            gathered_size = torch.empty((), dtype=levers.param_dtype or self.dtype).element_size()
+            buffers = self._gathered(ddp, gathered_size, levers.reshard_after_forward)
+            backward = self._gathered_in_backward(ddp, gathered_size, levers.reshard_after_forward, elsize)
         else:
             device = sum(blocks(nbytes(p)) for p in [*self.params, *self.trainable])
             buffers = grads if wrapper == "ddp" else 0
+            device += blocks(buffers)  # DDP's buckets: allocated when it wraps, held throughout
         opt_bytes, opt_device, scratch = optimizer_state(self.optimizer, tensors)
-        self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device + blocks(buffers), scratch)
+        self._states[key] = _State(params, grads, opt_bytes, buffers, device + opt_device, scratch)
+        if wrapper == "fsdp2":
+            self._states[key].gathered_forward, self._states[key].gathered_backward = blocks(buffers), blocks(backward)
         return self._states[key]
 
-    def _check(self, ddp: int, domain: int, wrapper: str) -> list[int]:
+    def _check(self, ddp: int, domain: int, wrapper: str, levers: Levers = NO_LEVERS) -> list[int]:
         """The layout's rows per domain rank, or a ValueError that says why it cannot be planned."""
         if wrapper not in WRAPPERS:
             raise ValueError(f"wrapper={wrapper!r}: choose one of {WRAPPERS} (FSDP1 and distribute_module are not "
                              "options).")
+        levers.check(wrapper)
+        if levers.checkpoint:
+            self._model(levers)  # refuses a model it cannot checkpoint
         if ddp < 1 or domain < 1:
             raise ValueError(f"ddp={ddp}, domain={domain}: both axis sizes must be at least 1.")
         if domain > 1:
@@ -160,12 +201,15 @@ class Planner:
                              f"near it that work: {near}; at most {self.max_domain()}.")
         return slices
 
-    def _row(self, ddp: int, domain: int, wrapper: str, rank: int, slices: list[int], transient: int) -> RankBytes:
+    def _row(self, ddp: int, domain: int, wrapper: str, rank: int, slices: list[int], transient: int,
+             levers: Levers) -> RankBytes:
         index, position = divmod(rank, domain)
-        state, trace = self._state(wrapper, ddp, index), self._trace(domain, position, slices[position])
+        state = self._state(wrapper, ddp, index, levers)
+        trace = self._trace(domain, position, slices[position], levers)
         row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
                         transient if domain > 1 else 0, state.buffers, rows=slices[position])
-        row.peak = state.device_bytes + max(trace.peak, trace.after + state.scratch)
+        row.peak = state.device_bytes + max(trace.forward_peak + state.gathered_forward,
+                                            trace.backward_peak + state.gathered_backward, trace.after + state.scratch)
         row.temporaries = max(0, row.peak - row.accounted)
         return row
 
@@ -178,12 +222,13 @@ class Planner:
     def _transient(self) -> int:
         return max(self.full_fields())  # the larger of the two, in flight during the scatter
 
-    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> Plan:
-        """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis."""
+    def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> Plan:
+        """Every rank's bytes on a ``(ddp, domain)`` mesh with the given wrapper on the ddp axis and ``levers``
+        (``sl.train.Levers``) on."""
         t0 = time.perf_counter()
-        slices = self._check(ddp, domain, wrapper)
+        slices = self._check(ddp, domain, wrapper, levers)
         transient = self._transient()
-        rows = [self._row(ddp, domain, wrapper, rank, slices, transient) for rank in range(ddp * domain)]
+        rows = [self._row(ddp, domain, wrapper, rank, slices, transient, levers) for rank in range(ddp * domain)]
         notes = []
         if domain > 1 and slices[0] != slices[-1]:
             notes.append(f"uneven shards: {self.field_shape[self.dim]} rows over {domain} ranks hold "
@@ -193,19 +238,19 @@ class Planner:
                          "the next unit in backward, and overlaps each copy-out with the previous all-gather in "
                          "forward)")
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
-                    self.optimizer, self.name, time.perf_counter() - t0, notes)
+                    self.optimizer, self.name, time.perf_counter() - t0, notes, levers)
 
-    def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> RankBytes:
+    def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> RankBytes:
         """``plan(...).largest()`` without a row for every rank: one rank per distinct shard shape and domain
         position (first, second, last), so a layout of a million ranks is judged in milliseconds."""
-        slices = self._check(ddp, domain, wrapper)
+        slices = self._check(ddp, domain, wrapper, levers)
         transient = self._transient()
         indices = {}
         for index in range(ddp):  # the first ddp index of each distinct set of shard shapes
             indices.setdefault(self._local_shapes(wrapper, ddp, index), index)
         ranks = {index * domain + position for index in indices.values() for position in {0, min(1, domain - 1),
                                                                                             domain - 1}}
-        return max((self._row(ddp, domain, wrapper, rank, slices, transient) for rank in ranks),
+        return max((self._row(ddp, domain, wrapper, rank, slices, transient, levers) for rank in ranks),
                    key=lambda r: (r.total, -r.rank))
 
     def valid_domain(self, n: int) -> bool:
@@ -231,24 +276,26 @@ class Planner:
         """The most domain ranks the sharded dim allows."""
         return self._valid_at_or_below(self.field_shape[self.dim])
 
-    def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp") -> bool:
-        need = self.largest(ddp, domain, wrapper).total
+    def fits(self, capacity: int, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS
+             ) -> bool:
+        need = self.largest(ddp, domain, wrapper, levers).total
         return need + headroom(need, ddp * domain) <= capacity
 
-    def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp") -> int | None:
+    def smallest_domain(self, capacity: int, ddp: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS
+                        ) -> int | None:
         """The fewest domain ranks with which every rank fits in ``capacity`` (headroom kept), or None.
 
         A bisection over the domain sizes, not a scan: the largest rank's rows, hence its bytes, never grow with the
         domain size, so a million-row field takes about 20 plans of one or three ranks each."""
-        if self.fits(capacity, ddp, 1, wrapper):  # apart: one rank alone keeps no headroom for NCCL
+        if self.fits(capacity, ddp, 1, wrapper, levers):  # apart: one rank alone keeps no headroom for NCCL
             return 1
         top = self.max_domain()
-        if top == 1 or not self.fits(capacity, ddp, top, wrapper):
+        if top == 1 or not self.fits(capacity, ddp, top, wrapper, levers):
             return None
         lo, hi = 2, top  # the smallest n whose next valid domain size fits
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.fits(capacity, ddp, self._valid_at_or_above(mid), wrapper):
+            if self.fits(capacity, ddp, self._valid_at_or_above(mid), wrapper, levers):
                 hi = mid
             else:
                 lo = mid + 1
@@ -256,11 +303,12 @@ class Planner:
 
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
-         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda") -> Plan:
+         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = NO_LEVERS) -> Plan:
     """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
     field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
-    ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas and ``optimizer``, for ``device``'s kernels."""
-    return Planner(model, field_shape, dtype, optimizer, shard_dim, device=device).plan(ddp, domain, wrapper)
+    ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas, ``optimizer`` and ``levers`` (``sl.train.Levers``),
+    for ``device``'s kernels."""
+    return Planner(model, field_shape, dtype, optimizer, shard_dim, device=device).plan(ddp, domain, wrapper, levers)
 
 
 @dataclass
@@ -285,11 +333,11 @@ def verdict(planner: Planner, result: Plan, capacity: int) -> Verdict:
     answer = Verdict(left >= 0, capacity, big.rank, big.total, headroom, left, f"fits with {left / GiB:.1f} GiB left")
     if answer.fits:
         return answer
-    answer.smallest_domain = planner.smallest_domain(capacity, result.ddp, result.wrapper)
+    answer.smallest_domain = planner.smallest_domain(capacity, result.ddp, result.wrapper, result.levers)
     if answer.smallest_domain is not None:
         answer.text = f"does not fit: smallest domain size that fits is {answer.smallest_domain}"
         return answer
-    top = planner.largest(result.ddp, planner.max_domain(), result.wrapper)
+    top = planner.largest(result.ddp, planner.max_domain(), result.wrapper, result.levers)
     fixed = top.params + top.grads + top.optimizer + top.buffers
     field_in, field_out = planner.full_fields()
     answer.text = (f"does not fit at any domain size: with {planner.max_domain()} domain ranks a rank still needs "

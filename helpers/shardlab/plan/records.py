@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from ..report import Table
+from ..train import NO_LEVERS, Levers
 from .inputs import GiB, fmt_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
@@ -95,6 +96,7 @@ class Plan:
     model: str = "model"
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    levers: Levers = NO_LEVERS
 
     @property
     def world_size(self) -> int:
@@ -137,6 +139,7 @@ class Plan:
     def as_json(self, capacity: int | None = None) -> dict:
         out = {"model": self.model, "field": list(self.field_shape), "dtype": self.dtype,
                "mesh": {"ddp": self.ddp, "domain": self.domain}, "wrapper": self.wrapper, "optimizer": self.optimizer,
+               "levers": self.levers.label,
                "rows": [r.as_dict() for r in self.rows], "left_out": [dict(item) for item in LEFT_OUT],
                "notes": list(self.notes)}
         if capacity is not None:

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..train import training_step
+from ..train import NO_LEVERS, Levers, training_step
 from .inputs import OPTIMIZERS
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp)
@@ -37,19 +37,55 @@ def blocks(n: int) -> int:
     return -(-n // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
 
 
+def _channels_up_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _slow_path(inp, weight, groups: int) -> bool:
+    """Whether torch runs a CPU convolution without oneDNN (``use_mkldnn`` in aten/src/ATen/native/Convolution.cpp):
+    every Conv3d here, and an fp32 Conv2d unless it has groups, a kernel larger than 3 on both sides, a batch above
+    1 or an input of more than 20480 elements (bf16 always goes to oneDNN)."""
+    if inp.dim() == 5:
+        return True
+    if inp.dtype != torch.float32:
+        return False
+    return not (groups > 1 or min(weight.shape[2:]) > 3 or inp.shape[0] > 1 or inp.numel() > 20480)
+
+
 def cpu_workspace(func, args) -> int:
-    """Bytes a CPU convolution's backward holds inside the kernel, which no tensor shows (torch 2.14, measured with
-    torch.profiler's memory events): Conv3d's slow path unfolds its input into vol2col columns (channels × kernel
-    volume × output positions); oneDNN's 2-D fp32 backward holds about one copy of the incoming gradient and two of
-    the input (its blocked layouts; fitted to the measurement, not read in oneDNN's source). In bf16 oneDNN's
-    scratch grew with the thread count (19 MB with one thread, 23 MB with two, for a 256² width-16 stack): not
-    modelled. GPUs keep cuDNN workspaces instead, inside the verdict's 10 % headroom."""
+    """Bytes a CPU convolution holds inside the kernel, which no tensor shows (torch 2.14 on x86, one intra-op
+    thread as the ranks run; measured with torch.profiler's memory events and fitted, not read in oneDNN's source):
+
+    - on the slow path (``_slow_path``) the forward and the backward each unfold the input into im2col / vol2col
+      columns: input channels × kernel size × output positions;
+    - otherwise oneDNN's backward copies tensors into blocked layouts: in fp32 the input (channels up to a multiple
+      of 8) and the incoming gradient (up to 16); in bf16 it computes in fp32: the incoming gradient (up to 16
+      channels) in fp32, and the input in fp32 when it has 16 channels or more. The bf16 scratch grows by about one
+      such copy per extra intra-op thread: not modelled (ranks sharing a machine run one thread each).
+
+    GPUs keep cuDNN workspaces instead, inside the verdict's 10 % headroom."""
+    if func is torch.ops.aten.convolution.default:
+        inp, weight, groups = args[0], args[1], args[8]
+        if not _slow_path(inp, weight, groups):
+            return 0
+        positions = math.prod(_conv_output_shape(inp, weight, args[3], args[4], args[5]))
+        return inp.shape[0] * inp.shape[1] // groups * math.prod(weight.shape[2:]) * positions * inp.element_size()
     if func is not torch.ops.aten.convolution_backward.default:
         return 0
     grad_out, inp, weight = args[:3]
-    if inp.dim() == 5:
-        return inp.shape[1] * math.prod(weight.shape[2:]) * math.prod(grad_out.shape[2:]) * inp.element_size()
-    return nbytes(grad_out) + 2 * nbytes(inp)
+    positions = math.prod(grad_out.shape[2:]) * grad_out.shape[0]
+    if _slow_path(inp, weight, args[9]):
+        return inp.shape[1] // args[9] * math.prod(weight.shape[2:]) * positions * inp.element_size()
+    fp32 = torch.empty((), dtype=torch.float32).element_size()
+    grad_blocked = _channels_up_to(grad_out.shape[1], 16) * positions
+    if inp.dtype == torch.float32:
+        return (_channels_up_to(inp.shape[1], 8) * math.prod(inp.shape[2:]) * inp.shape[0] + grad_blocked) * fp32
+    return (grad_blocked + (inp.numel() if inp.shape[1] >= 16 else 0)) * fp32
+
+
+def _conv_output_shape(inp, weight, stride, padding, dilation) -> list[int]:
+    return [(size + 2 * pad - dil * (k - 1) - 1) // st + 1
+            for size, k, st, pad, dil in zip(inp.shape[2:], weight.shape[2:], stride, padding, dilation)]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -172,6 +208,56 @@ class _SavedOnMeta:
         return t
 
 
+# What torch.autocast runs in lower precision, for the ops a field model calls (the CPU and CUDA lists of
+# aten/src/ATen/autocast_mode.cpp share these); everything else runs in the dtype its inputs promote to.
+_LOWER_PRECISION_OPS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
+                        torch.conv_transpose3d, F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                        torch.Tensor.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention}
+
+
+class MetaAutocast(TorchFunctionMode):
+    """``torch.autocast`` for meta tensors, which carry no autocast dispatch key: inside ``with``, the inputs of the
+    ops autocast lowers (``_LOWER_PRECISION_OPS``) are cast to ``dtype`` when they are fp32, and each weight (a leaf
+    that needs a gradient) is cast once and cached until the outermost ``with`` ends, as autocast's cast cache does.
+
+    The casts go through autograd as autocast's do, so the replay saves and frees what a real autocast step does."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __exit__(self, *exc):
+        self.cache.clear()
+        return super().__exit__(*exc)
+
+    def _cast(self, t):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            return t
+        if t.is_leaf and t.requires_grad:
+            if id(t) not in self.cache:
+                self.cache[id(t)] = t.to(self.dtype)
+            return self.cache[id(t)]
+        return t.to(self.dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _LOWER_PRECISION_OPS:
+            args = tuple(self._cast(a) for a in args)
+            kwargs = {k: self._cast(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **(kwargs or {}))
+
+
+class _CastForwardInputs(torch.nn.Module):
+    """FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` at the root: the input cast to ``param_dtype``."""
+
+    def __init__(self, module, dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x):
+        return self.module(x.to(self.dtype))
+
+
 def local_slices(extent: int, n: int) -> list[int]:
     """Rows each of n domain ranks holds: ``torch.chunk`` of the sharded dim, which ``scatter_tensor`` (through
     DTensor's ``Shard``) uses. Uneven: the first ranks get ceil(extent / n), the last one the rest."""
@@ -195,6 +281,8 @@ class Trace:
     halos: int
     peak: int  # the replayed scatter, forward and backward's high-water mark of live bytes, inputs included
     after: int  # live bytes left when backward is done: what sits under the optimizer step
+    forward_peak: int = 0  # the high-water mark up to backward (scatter, forward, loss)
+    backward_peak: int = 0  # the high-water mark in backward
 
 
 class _GradientsKept:
@@ -209,10 +297,15 @@ class _GradientsKept:
 
 
 def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
-               workspace=None) -> Trace:
+               workspace=None, levers: Levers = NO_LEVERS) -> Trace:
     """One rank's training step (``sl.train.training_step``) on the meta device: the scatter, then the forward with
     its saved tensors recorded and its convolutions sharded, the loss and the backward, live bytes tracked (with the
-    kernels' ``workspace``, as ``LiveBytes`` takes it)."""
+    kernels' ``workspace``, as ``LiveBytes`` takes it).
+
+    ``model`` is already as ``levers`` make it (checkpointed; in ``param_dtype``, whose input cast is added here);
+    autocast runs as ``MetaAutocast``, in the forward and the loss, and again in backward, where checkpointed
+    blocks are recomputed under autocast (its cast weights are then cached for the whole backward: an
+    over-estimate of one low-precision copy of the weights)."""
     padded: dict[int, float] = {}
     params = list(model.parameters())
     saved = _SavedOnMeta({storage_id(p) for p in params}, padded)
@@ -236,19 +329,30 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
     def phase(name):
         if name == "step":
             marks["after"] = live.live
+        if name == "backward":
+            marks["forward_peak"], live.peak = live.peak, live.live
         with contextlib.ExitStack() as stack:
             if name == "forward":
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
-                if domain > 1:
-                    stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
+            if name in ("forward", "backward") and domain > 1:
+                stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
+            if name == "backward" and levers.checkpoint and levers.autocast is not None:
+                stack.enter_context(MetaAutocast(levers.autocast))
+            if name == "backward":
+                # As on ranks, where ShardTensor.backward does it: backward runs with torch functions off, and a
+                # checkpoint turns them back on to recompute its block (workarounds.recompute_with_shard_tensor_
+                # handlers), so the modes above act in the recompute only (a mode is off while handling backward).
+                stack.enter_context(torch._C.DisableTorchFunction())
             yield
 
+    step_model = model if levers.param_dtype is None else _CastForwardInputs(model, levers.param_dtype)
     with LiveBytes(workspace) as live:
-        loss = training_step(model, _GradientsKept(), scatter, phase=phase)
+        loss = training_step(step_model, _GradientsKept(), scatter, phase=phase, levers=levers, autocast=MetaAutocast)
         del loss
     for p in params:
         p.grad = None
-    return Trace(saved.bytes, round(saved.halos), live.peak, marks["after"])
+    peak = max(live.peak, marks["forward_peak"])
+    return Trace(saved.bytes, round(saved.halos), peak, marks["after"], marks["forward_peak"], live.peak)
 
 
 def optimizer_state(optimizer_name: str, local: list[torch.Tensor]) -> tuple[int, int, int]:
