@@ -185,6 +185,12 @@ def test_predicted_vs_measured_pairs_bars_per_case_predicted_hatched():
     (mark,) = [c for c in ax.collections if isinstance(c, LineCollection)]
     assert mark.get_segments()[0][0][1] == 4  # the predicted peak, across the predicted bar of its case
     assert mark.get_segments()[0][0][0] == pytest.approx(0.59)
+    assert mark.get_linestyle()[0][1] is not None  # dashed (an allocator's measured peak is drawn solid)
+    both = plot.predicted_vs_measured(cases, peaks={"baseline": (9 * kib, 8 * kib)}).axes[0]
+    styles = {c.get_label(): c.get_linestyle()[0][1] for c in both.collections}
+    assert styles["peak (predicted)"] is not None and styles["allocator peak (measured)"] is None
+    long = plot.predicted_vs_measured({"FSDP2 + param_dtype bf16": cases["baseline"]}).axes[0]
+    assert [t.get_text() for t in long.get_xticklabels()] == ["FSDP2 +\nparam_dtype bf16"]
 
 
 def test_predicted_vs_measured_refuses_malformed_cases():

@@ -5,6 +5,8 @@ Introduced in ``notebooks/02_device_mesh.ipynb``.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
@@ -306,10 +308,11 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
             peak = (peaks.get(label) or (None, None))[side]
             if peak is not None:
                 marked.append(ax.hlines(peak / scale, xi - 0.2, xi + 0.2, colors="black", linewidth=2.5, zorder=3,
+                                        linestyles="solid" if side else (0, (2, 1)),
                                         label="allocator peak (measured)" if side else "peak (predicted)"))
     marks = [m.get_segments()[0][0][1] for m in marked]
     ax.set_ylim(0, (max([*np.concatenate(tops), *marks], default=0) or 1) * 1.15)
-    ax.set_xticks(centres, labels, rotation=30 if len(labels) > 5 else 0, ha="right" if len(labels) > 5 else "center")
+    ax.set_xticks(centres, [textwrap.fill(label, 16) for label in labels])  # long labels on lines of their own
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title or "predicted (hatched, left) and measured (solid, right), by category", fontsize=10)
     sides = [Patch(facecolor="0.85", edgecolor="0.3", hatch="///", label="predicted"),
