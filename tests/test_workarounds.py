@@ -222,3 +222,42 @@ def test_the_nccl_settings_mean_what_the_docstring_says():
                      b"Watchdog caught collective operation timeout: ", b"NCCL communicator was aborted on rank ",
                      b" Original reason for failure was: ", b"NCCL communicator was aborted after a previous error"):
             assert data.find(text) >= 0, text
+
+
+def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_need_the_workaround():
+    """A checkpointed block's recompute, inside ``ShardTensor.backward``: without the workaround it runs with torch
+    functions off (ShardTensor's handlers skipped), with ``recompute_with_shard_tensor_handlers`` on."""
+    result = _run(
+        """
+        import json
+        import torch
+        import shardlab as sl
+        from physicsnemo.domain_parallel import scatter_tensor
+        from torch.distributed.tensor import Shard
+        from torch.utils.checkpoint import checkpoint
+        from shardlab.workarounds import recompute_with_shard_tensor_handlers
+        sl.init_distributed(30)
+        mesh = sl.build_mesh(ddp=1, domain=1)
+        weight = torch.nn.Parameter(torch.ones(1))
+        seen = {}
+        for name, context in (("upstream", None), ("workaround", recompute_with_shard_tensor_handlers)):
+            def block(t, name=name):  # called in forward, then again in backward's recompute
+                seen.setdefault(name, []).append(torch._C._is_torch_function_enabled())
+                return torch.nn.functional.gelu(t)
+            x = scatter_tensor(torch.randn(1, 1, 8, 8), 0, mesh["domain"], (Shard(2),))
+            kwargs = {"context_fn": context} if context else {}
+            try:
+                checkpoint(block, x * weight, use_reentrant=False, **kwargs).sum().backward()
+            except RuntimeError as error:  # upstream: the recompute runs through DTensor, on mixed tensors
+                seen[name + " error"] = str(error).splitlines()[0][:200]
+        print("SEEN", json.dumps(seen))
+        sl.launch.shutdown_distributed()
+        """,
+        **_single_rank_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.split("SEEN", 1)[1].splitlines()[0])
+    assert seen["workaround"] == [True, True] and "workaround error" not in seen, seen
+    assert seen["upstream"] == [True, False], (
+        "ShardTensor.backward no longer runs backward with torch functions off: delete "
+        f"recompute_with_shard_tensor_handlers from shardlab/workarounds.py and its use in train.py ({seen})")

@@ -70,8 +70,9 @@ def plan(gpus: int) -> list[dict]:
          1, 300),
         ("state-memory", f"state bytes per rank: CUDA peaks beside the byte model, ddp in {ddp_sizes}", max(sizes),
          1, 300),
-        ("planner", f"memory planner: predicted peak within 10 % of max_memory_allocated, N in "
-                    f"{sorted({1, max(gpus, 1)})}",
+        ("planner", "memory planner: predicted step peak within 10 % of max_memory_allocated per rank, the CPU "
+                    "ranks' peak configurations 16x larger (2-D, 3-D, DDP, FSDP2, checkpointing, bf16, domain "
+                    f"{sorted({1, 2, 4} & {n for n in sizes if max(gpus, 1) % n == 0}) or [1]})",
          max(gpus, 1), 1, 400),
         ("compile-speed", "eager vs compiled step time, synchronised: compiled faster", 1, 1, 300),
         ("tf32-error", f"TF32 error of a conv stack vs fp64, and below {STRICT_FP32_ERROR:g} inside strict_fp32", 1,

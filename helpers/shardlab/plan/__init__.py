@@ -31,9 +31,25 @@ autograd says what it keeps:
 ``total`` = the sum of the categories, at least the replayed peak: what each GPU must hold. What it cannot know
 is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as headroom.
 
+**The peak** (``RankBytes.peak``) is the step's high-water mark per rank: the state, plus the larger of the replayed
+forward with FSDP2's forward buffers, the replayed backward with FSDP2's backward buffers (the unit in hand and the
+one it prefetches, or every unit still gathered without ``reshard_after_forward``, and the reduce-scatter input of
+the largest unit) and the optimizer step. Planned ``device="cpu"``, it adds what CPU convolutions hold inside the
+kernel (``trace.cpu_workspace``: im2col columns on torch's slow path, oneDNN's blocked copies). ``python -m
+shardlab.plan --measure-peaks`` and ``tests/test_plan.py`` check it on 4 CPU ranks against the allocator's own peak
+(``sl.measure.AllocatorPeak``, torch.profiler's memory events), ``make gpu-check`` against ``max_memory_allocated``.
+
+**Levers** (``sl.train.Levers``, ``plan(..., levers=)`` / ``Planner.plan(..., levers=)``) are replayed, not
+estimated: the meta model is checkpointed as ``sl.train.use_checkpointing`` does it and its blocks are recomputed in
+backward; autocast runs as ``trace.MetaAutocast`` (the meta device has no autocast), casting the inputs of the ops
+autocast lowers and caching each weight's copy; FSDP2's ``param_dtype`` makes the model, its gathered units and its
+unsharded gradients that dtype (the input cast at the root), while the shards, their gradients and the optimizer
+state stay in the planned dtype.
+
 Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``records`` (what a
-plan says: ``RankBytes``, ``Plan``, the headroom), ``planner`` (the planner and its verdict), ``live`` (measured on
-ranks, compared), ``cli`` (``python -m shardlab.plan``).
+plan says: ``RankBytes``, ``Plan``, the headroom), ``planner`` (the planner and its verdict), ``search`` (the domain
+sizes that work, and the smallest that fits), ``live`` (measured on ranks, compared), ``cli`` (``python -m
+shardlab.plan``).
 """
 
 from .cli import main

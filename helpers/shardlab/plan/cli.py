@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
-from ..train import WRAPPERS
+from ..train import WRAPPERS, Levers
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict
@@ -21,7 +21,8 @@ from .records import LEFT_OUT, Plan
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:
     print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
           f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
-          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}")
+          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}; levers: "
+          f"{result.levers}")
     print(result.table())
     for note in result.notes:
         print(f"# {note}")
@@ -67,6 +68,12 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-size", type=int, default=3, help="an odd kernel size: 3, 5, 7, ...")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam")
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"], help="forward and loss under torch.autocast")
+    parser.add_argument("--param-dtype", choices=["bfloat16", "float16"],
+                        help="FSDP2's MixedPrecisionPolicy param_dtype (fp32 master weights and gradient reduction)")
+    parser.add_argument("--no-reshard-after-forward", action="store_true",
+                        help="FSDP2 keeps every unit gathered from its forward to its backward")
     parser.add_argument("--json", help="write the per-rank rows and the verdict to this file")
     parser.add_argument("--measure", action="store_true",
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
@@ -88,7 +95,9 @@ def main(argv=None) -> int:
         model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
         planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
                           name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})")
-        result = planner.plan(args.ddp, args.domain, args.wrapper)
+        levers = Levers(args.checkpoint, args.autocast and DTYPES[args.autocast],
+                        args.param_dtype and DTYPES[args.param_dtype], not args.no_reshard_after_forward)
+        result = planner.plan(args.ddp, args.domain, args.wrapper, levers)
     except ValueError as error:  # one line that says what to change, no traceback
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

@@ -192,7 +192,7 @@ def peak_cases(world: int = 4, scale: int = 1) -> list[dict]:
     ]
     cases = []
     for name, domain, wrapper, width, spatial, levers in table:
-        domain = domain if world % domain == 0 else 1
+        domain = max(n for n in (1, 2, 4) if n <= domain and world % n == 0)
         field = [1, 1, *(size * scale for size in spatial)]
         cases.append({"name": f"{name}, {wrapper} N={domain}", "model": {"width": width, "layers": 3},
                       "domain": domain, "ddp": world // domain, "wrapper": wrapper, "field": field, "levers": levers})

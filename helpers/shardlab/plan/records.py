@@ -62,7 +62,7 @@ class RankBytes:
     transient: int
     buffers: int
     temporaries: int = 0  # predicted: the rest of the step's peak
-    peak: int | None = None  # predicted: the replayed step's peak; measured: the CUDA allocator's (None on CPU)
+    peak: int | None = None  # predicted: the step's peak; measured: the allocator's (CPU: profiler events; GPU: CUDA)
     rows: int | None = None  # rows of the sharded dim this rank holds
 
     @property
