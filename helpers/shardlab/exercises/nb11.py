@@ -152,6 +152,11 @@ def _measured_problem(cluster, case: dict, layout: tuple) -> str | None:
     return None
 
 
+def _defined_in(cls: type, name: str) -> type:
+    """The class of ``cls``'s method resolution order that defines ``name``: where a watch replaces it."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
 def layout_fits_budget(choose_layout, cluster) -> str | None:
     """The exercise. Doing it means: for each domain size from the smallest, each wrapper and each allowed set of
     levers, plan the layout and compare its largest rank's total (temporaries included) with the budget; return the
@@ -167,8 +172,8 @@ def layout_fits_budget(choose_layout, cluster) -> str | None:
         return (f"choose_layout is a {type(choose_layout).__name__}: define a function choose_layout(model, field, "
                 "world, budget)")
     cases = _cases(cluster.n)
-    watched = {"smallest_domain": (Planner, "smallest_domain"), "fits": (Planner, "fits"),
-               "verdict": (plan_package, "verdict"), "plan": (Planner, "plan"), "largest": (Planner, "largest")}
+    watched = {name: (_defined_in(Planner, name), name) for name in ("smallest_domain", "fits", "plan", "largest")}
+    watched["verdict"] = (plan_package, "verdict")
     with Watch(attributes=watched, collectives=False) as watch:  # no profile hook: planning stays fast
         answers = []
         for case in cases:
