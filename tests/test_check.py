@@ -124,14 +124,15 @@ def test_watch_records_c_functions_and_patched_attributes_and_restores_them():
 
     class Owner:
         @staticmethod
-        def count():
-            return 7
+        def count(start, step=1):
+            return start + 6 * step
 
     with check.Watch(chunk=(torch.chunk, torch.Tensor.chunk), attributes={"count": (Owner, "count")},
                      collectives=False) as watch:
         torch.ones(4).chunk(2)
-        assert Owner.count() == 7
+        assert Owner.count(1) == 7
     assert [e.name for e in watch.calls()] == ["chunk", "count"]
+    assert watch.calls("count")[0].arguments == {"start": 1, "step": 1}  # as received, defaults filled in
     assert Owner.count.__name__ == "count" and check.sys.getprofile() is None  # all put back
 
 

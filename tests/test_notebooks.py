@@ -16,8 +16,8 @@ from shardlab.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8.
-OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS if path.stem[:2] in ("02", "03", "04", "05", "07", "10")
-                     for ranks in (2, 8)]
+OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS
+                     if path.stem[:2] in ("02", "03", "04", "05", "07", "10", "11") for ranks in (2, 8)]
 
 
 def solution_cells(path: Path) -> list[int]:

@@ -155,6 +155,53 @@ def test_memory_bars_units_and_no_ideal():
         plot.memory_bars({"a": {"x": 1}}, unit="kb")
 
 
+def test_predicted_vs_measured_pairs_bars_per_case_predicted_hatched():
+    kib = 1024
+    cases = {
+        "baseline": ({"params": 2 * kib, "activations": 6 * kib}, {"params": 2 * kib, "activations": 5 * kib}),
+        "checkpointing": ({"params": 2 * kib, "activations": 1 * kib},
+                          {"params": 2 * kib, "activations": 1 * kib, "buffers": 1 * kib}),
+    }
+    fig = plot.predicted_vs_measured(cases, peaks={"checkpointing": (4 * kib, None)})
+    ax = fig.axes[0]
+    tops, hatched = {}, {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 2)
+        tops[x] = tops.get(x, 0) + bar.get_height()
+        hatched[x] = bool(bar.get_hatch())
+    # Two bars per case, centred around the case's tick: predicted left and hatched, measured right and solid.
+    assert tops == {-0.21: 8, 0.21: 7, 0.79: 3, 1.21: 4}
+    assert hatched == {-0.21: True, 0.21: False, 0.79: True, 1.21: False}
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "checkpointing"]
+    assert {"8", "7", "3", "4"} <= set(_texts(ax))
+    # One colour per category on both sides; "buffers", measured only, still stacks (as 0 where absent).
+    colours = {}
+    for container in ax.containers:
+        colours.setdefault(container.get_label(), set()).update(p.get_facecolor()[:3] for p in container.patches)
+    assert sorted(colours) == ["activations", "buffers", "params"] and all(len(c) == 1 for c in colours.values())
+    assert len(set.union(*colours.values())) == 3
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["buffers", "activations", "params", "predicted", "measured", "peak (predicted)"]
+    (mark,) = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert mark.get_segments()[0][0][1] == 4  # the predicted peak, across the predicted bar of its case
+    assert mark.get_segments()[0][0][0] == pytest.approx(0.59)
+    assert mark.get_linestyle()[0][1] is not None  # dashed (an allocator's measured peak is drawn solid)
+    both = plot.predicted_vs_measured(cases, peaks={"baseline": (9 * kib, 8 * kib)}).axes[0]
+    styles = {c.get_label(): c.get_linestyle()[0][1] for c in both.collections}
+    assert styles["peak (predicted)"] is not None and styles["allocator peak (measured)"] is None
+    long = plot.predicted_vs_measured({"FSDP2 + param_dtype bf16": cases["baseline"]}).axes[0]
+    assert [t.get_text() for t in long.get_xticklabels()] == ["FSDP2 +\nparam_dtype bf16"]
+
+
+def test_predicted_vs_measured_refuses_malformed_cases():
+    with pytest.raises(ValueError, match="pair"):
+        plot.predicted_vs_measured({"a": {"params": 1}})
+    with pytest.raises(ValueError, match="not in cases"):
+        plot.predicted_vs_measured({"a": ({"x": 1}, {"x": 1})}, peaks={"b": (1, 1)})
+    with pytest.raises(ValueError, match="unit"):
+        plot.predicted_vs_measured({"a": ({"x": 1}, {"x": 1})}, unit="kb")
+
+
 def test_ratio_curve_draws_measured_and_ideal():
     sizes, measured, ideal = [1, 2, 4], [1.0, 0.5312, 0.2884], [1.0, 0.5, 0.25]
     fig = plot.ratio_curve(sizes, measured, ideal)
@@ -173,6 +220,7 @@ def test_figures_render_and_use_the_given_axes():
     fig, axes = plt.subplots(1, 2)
     assert plot.halo_rows(8, 2, kernel_sizes=(3, 5), ax=axes) is fig
     assert plot.memory_bars({"r": {"a": 1}}, ax=axes[0]) is fig
+    assert plot.predicted_vs_measured({"c": ({"a": 1}, {"a": 1})}, ax=axes[0]) is fig
     for f in (fig, plot.rank_grid([[0, 1], [2, 3]]), plot.shard_map(np.ones((4, 4)), mesh.shard_bounds(4, 2))):
         f.canvas.draw()  # the whole artist tree renders under Agg
     assert axes[0].patches and axes[1].patches  # both panels drew into the given axes

@@ -235,7 +235,8 @@ class Watch:
     a GPU's own thread are not watched; the functions judges watch run in the forward, on this thread.) Dynamo does
     not compile while a profile hook or a dispatch mode is set, so code that must compile is watched with
     ``collectives=False`` and through ``attributes`` ({label: (owner, attribute name)}): each attribute is replaced by
-    a recording wrapper for the block's length.
+    a recording wrapper for the block's length, which records the arguments too. Code that makes many Python calls
+    (a planner) also runs several times faster watched that way than under the profile hook.
     """
 
     def __init__(self, attributes: dict | None = None, collectives: bool = True, **functions):
@@ -261,8 +262,19 @@ class Watch:
             self._previous(frame, event, arg)
 
     def _recording(self, label: str, original):
+        try:
+            signature = inspect.signature(original)
+        except (TypeError, ValueError):  # a builtin without one: its arguments are not recorded
+            signature = None
+
         def recorded(*args, **kwargs):
-            self.events.append(Event("call", label))
+            arguments = {}
+            if signature is not None:
+                with contextlib.suppress(TypeError):  # a call the function itself will refuse
+                    bound = signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    arguments = dict(bound.arguments)
+            self.events.append(Event("call", label, arguments=arguments))
             return original(*args, **kwargs)
 
         return recorded

@@ -5,6 +5,8 @@ Introduced in ``notebooks/02_device_mesh.ipynb``.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
@@ -209,14 +211,31 @@ def halo_rows(height, n_ranks, kernel_sizes=(3, 5), ax=None):
     return fig
 
 
+def _units(unit: str) -> int:
+    if unit not in _UNITS:
+        raise ValueError(f"unit={unit!r}: choose one of {list(_UNITS)}.")
+    return _UNITS[unit]
+
+
+def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: float, **style):
+    """One stacked bar per position of ``x``, a segment per category (same colour for a category everywhere, a
+    missing one stacked as 0); returns the bar containers, one per category, and the tops."""
+    bottom = np.zeros(len(stacks))
+    handles = []
+    for i, category in enumerate(categories):
+        values = np.array([stack.get(category, 0) for stack in stacks], dtype=float) / scale
+        handles.append(ax.bar(x, values, width, bottom=bottom, color=_category_colour(i), edgecolor="white",
+                              linewidth=0.5, label=category, **style))
+        bottom += values
+    return handles, bottom
+
+
 def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=None, capacity_label="GPU memory"):
     """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker.
 
     ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold.
     """
-    if unit not in _UNITS:
-        raise ValueError(f"unit={unit!r}: choose one of {list(_UNITS)}.")
-    scale = _UNITS[unit]
+    scale = _units(unit)
     labels = list(per_rank)
     categories = list(dict.fromkeys(c for label in labels for c in per_rank[label]))  # first appearance
     ideal = ideal or {}
@@ -226,14 +245,7 @@ def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=
 
     fig, ax = _figure_and_axes(ax, (max(4.0, 0.9 * len(labels) + 2.8), 4.2))
     x = np.arange(len(labels))
-    bottom = np.zeros(len(labels))
-    handles = []
-    for i, category in enumerate(categories):
-        values = np.array([per_rank[label].get(category, 0) for label in labels], dtype=float) / scale
-        bars = ax.bar(x, values, 0.6, bottom=bottom, color=_category_colour(i), edgecolor="white", linewidth=0.5,
-                      label=category)
-        handles.append(bars)
-        bottom += values
+    handles, bottom = _stacked(ax, x, [per_rank[label] for label in labels], categories, scale, 0.6)
 
     marks = np.array([ideal[label] / scale if label in ideal else np.nan for label in labels])
     has_mark = ~np.isnan(marks)
@@ -260,6 +272,54 @@ def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=
     # Reversed, so the legend reads top to bottom like the stack.
     ax.legend(handles=handles[::-1] + ideal_handles + capacity_handles, loc="upper left",
               bbox_to_anchor=(1.02, 1), fontsize=9, frameon=False)
+    return fig
+
+
+def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
+    """For each case (a configuration), its predicted and its measured bytes per category as two stacked bars side
+    by side: predicted hatched on the left, measured solid on the right, each with its total on top.
+
+    ``cases``: {case label: (predicted {category: bytes}, measured {category: bytes})}. ``peaks``: {case label:
+    (predicted peak, measured peak)} in bytes, either None where there is none (a CPU rank has no allocator peak):
+    drawn as a black mark across the bar it belongs to.
+    """
+    scale = _units(unit)
+    labels = list(cases)
+    malformed = [label for label in labels if not (isinstance(cases[label], (tuple, list)) and len(cases[label]) == 2)]
+    if malformed:
+        raise ValueError(f"cases {malformed}: give each case a pair (predicted, measured) of {{category: bytes}}.")
+    peaks = peaks or {}
+    unknown = set(peaks) - set(labels)
+    if unknown:
+        raise ValueError(f"peaks has labels {sorted(unknown)} that are not in cases {labels}.")
+    categories = list(dict.fromkeys(c for label in labels for side in cases[label] for c in side))
+
+    fig, ax = _figure_and_axes(ax, (max(5.0, 1.3 * len(labels) + 3.0), 4.4))
+    centres = np.arange(len(labels), dtype=float)
+    tops, marked = [], []
+    for side, (offset, style) in enumerate(((-0.21, {"hatch": "///", "alpha": 0.75}), (0.21, {}))):
+        x = centres + offset
+        handles, bottom = _stacked(ax, x, [cases[label][side] for label in labels], categories, scale, 0.38, **style)
+        tops.append(bottom)
+        for xi, total in zip(x, bottom):
+            ax.annotate(f"{total:.4g}", (xi, total), xytext=(0, 3), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7)
+        for xi, label in zip(x, labels):
+            peak = (peaks.get(label) or (None, None))[side]
+            if peak is not None:
+                marked.append(ax.hlines(peak / scale, xi - 0.2, xi + 0.2, colors="black", linewidth=2.5, zorder=3,
+                                        linestyles="solid" if side else (0, (2, 1)),
+                                        label="allocator peak (measured)" if side else "peak (predicted)"))
+    marks = [m.get_segments()[0][0][1] for m in marked]
+    ax.set_ylim(0, (max([*np.concatenate(tops), *marks], default=0) or 1) * 1.15)
+    ax.set_xticks(centres, [textwrap.fill(label, 16) for label in labels])  # long labels on lines of their own
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(title or "predicted (hatched, left) and measured (solid, right), by category", fontsize=10)
+    sides = [Patch(facecolor="0.85", edgecolor="0.3", hatch="///", label="predicted"),
+             Patch(facecolor="0.6", edgecolor="white", label="measured")]
+    kinds = list({m.get_label(): m for m in marked}.values())
+    ax.legend(handles=handles[::-1] + sides + kinds, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=9,
+              frameon=False)
     return fig
 
 
