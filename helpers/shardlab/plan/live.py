@@ -95,8 +95,9 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, le
     import torch.distributed as dist
 
     from ..measure import AllocatorPeak, SavedActivations, local_bytes, state_bytes
-    from ..train import Trainer, fsdp_units
+    from ..train import Trainer, fsdp_units, normalized_darcy
 
+    samples = normalized_darcy() if samples is None else samples  # host data: loaded before the peak is counted
     held = sum(local_bytes(t) for t in [*model.parameters(), *model.buffers()])
     with AllocatorPeak(next(model.parameters()).device, held_at_start=held) as allocator:
         trainer = Trainer(model, mesh, wrapper, samples=samples, levers=levers)
