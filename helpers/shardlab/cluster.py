@@ -320,7 +320,6 @@ class MPICluster:
     def _park(self) -> bool:
         """Hand the cluster to the pool if every rank is alive and idle (else False: it is stopped instead)."""
         try:
-            self.client.spin()
             # Cells block until every rank answered: only one given up on (cell_timeout_s) is still outstanding.
             idle = sorted(self.client.ids) == list(range(self.n)) and not self.client.outstanding
         except Exception:  # a cluster that cannot say is not worth keeping

@@ -294,6 +294,8 @@ class Record:
         return Path(self.folder or registry()) / f"{self.cluster_id}.json"
 
     def save(self) -> None:
+        if self.folder and not Path(self.folder).is_dir():
+            return  # a pool of warm clusters that was stopped took its records, and what they name, with it
         tmp = self.path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

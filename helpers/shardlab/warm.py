@@ -206,7 +206,7 @@ SHARD_REGISTRIES = ("_dispatch_registry", "_dispatch_registry_by_name", "_functi
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
     """``launch.init_rank``, then, at a rank's first initialisation, a note of the series' own state: ShardTensor's
-    handler registries (the handlers PhysicsNeMo and ``init_distributed`` registered), the RNG seed and the
+    handler registries (the handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the
     environment variables."""
     state = launch.init_rank(rendezvous, timeout_s, threads)
     if not _SERIES_STATE:
@@ -215,7 +215,8 @@ def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dic
 
         _SERIES_STATE.update({name: dict(getattr(ShardTensor, name)) for name in SHARD_REGISTRIES})
         _SERIES_STATE["_enable_shard_patches"] = getattr(ShardTensor, "_enable_shard_patches", None)
-        _SERIES_STATE["seed"] = torch.initial_seed()
+        _SERIES_STATE["rng"] = torch.random.get_rng_state()
+        _SERIES_STATE["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         _SERIES_STATE["environ"] = dict(os.environ)
     return state
 
@@ -234,6 +235,14 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
     from torch.distributed.device_mesh import _mesh_resources
 
     t0 = time.perf_counter()
+    # Destroying a group only forgets it. Aborted, an NCCL group that a notebook kept (in a module, say) raises at
+    # its next use; gloo's (torch 2.14) keeps its connections until the object is freed, which the emptied namespace
+    # does unless something else holds it.
+    for group in list(torch.distributed.distributed_c10d._world.pg_map):
+        try:
+            group.abort()
+        except RuntimeError:  # a backend without abort
+            pass
     DistributedManager.cleanup(barrier=False)  # destroys the world group and every subgroup made from it
     _mesh_resources.mesh_stack.clear()
     if "torch._dynamo" in sys.modules:  # never imported: nothing was compiled (importing it takes seconds)
@@ -247,7 +256,6 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
         registry.update(_SERIES_STATE[name])
     if _SERIES_STATE["_enable_shard_patches"] is not None:
         ShardTensor._enable_shard_patches = _SERIES_STATE["_enable_shard_patches"]
-    torch.manual_seed(_SERIES_STATE["seed"])  # CPU and every GPU, as in a new process
     os.environ.clear()
     os.environ.update(_SERIES_STATE["environ"] | environment)
     tempfile.tempdir = None  # read TMPDIR again
@@ -255,6 +263,9 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
     release_freed_memory()
     reset_s = time.perf_counter() - t0
     state = init_rank(rendezvous, timeout_s, threads)
+    torch.random.set_rng_state(_SERIES_STATE["rng"])  # what a new rank draws first, it draws again
+    if _SERIES_STATE["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(_SERIES_STATE["cuda_rng"])
     state["phases"] = {"reset to a fresh start's state": reset_s} | {
         step: seconds for step, seconds in state["phases"].items() if step == "process group"}
     return state
