@@ -147,7 +147,8 @@ PREVIOUS_NOTEBOOK = textwrap.dedent("""
 AFTER_RESET = """
 import os, sys, tempfile, psutil, torch, torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor
-variables_left = [name for name in ("x", "big", "f", "compiled") if name in dir()]
+defined = dir()
+variables_left = [name for name in ("x", "big", "f", "compiled") if name in defined]
 old_groups_unknown = []
 for group in sys.shardlab_old_groups:
     try:
