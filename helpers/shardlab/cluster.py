@@ -14,8 +14,9 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
 - ``SHARDLAB_RANKS``: how many engines;
 - ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
-How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s. This module keeps
-the cluster's life: settings, start (controller, engines, ranks initialised), stop and restart.
+How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s; keeping ranks for
+the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start
+(controller, engines, ranks initialised, or a parked cluster taken over), stop (or park) and restart.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -335,6 +336,7 @@ class MPICluster:
         return True
 
     def _shut_down(self) -> None:
+        """Stop the cluster for good, parked or not."""
         if self._px is not None:
             self._px.stop()
         if self._cluster is None:
