@@ -164,6 +164,9 @@ handlers = {name: len(getattr(ShardTensor, name)) for name in ("_dispatch_regist
             "_function_registry")}
 extra_handler = "shardlab.test.extra" in ShardTensor._named_function_registry
 leftover_variable = "SHARDLAB_TEST_LEFTOVER" in os.environ
+# mpiexec's own variables (PMIX_SYSTEM_TMPDIR) keep naming the folder it started in: the ranks never initialise MPI.
+old_temp_folder = [name for name, value in os.environ.items() if PREVIOUS_TEMP in value and not name.startswith(
+    ("PMIX_", "OMPI_", "PRTE_"))]
 temp_folder = tempfile.gettempdir()
 first_draw = torch.rand(3).tolist()
 rss = psutil.Process().memory_info().rss
@@ -173,7 +176,9 @@ rss = psutil.Process().memory_info().rss
 @pytest.mark.multirank
 def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(no_leftovers, tmp_path, capsys):
     pool = warm.Pool.create(os.environ[procs.ORIGIN], idle_s=30)  # the processes count as this test's
-    env = os.environ | {warm.POOL: str(pool.folder), "CUDA_VISIBLE_DEVICES": ""}
+    previous_temp = tmp_path / "previous-notebook"  # the previous kernel's temp folder, removed after it
+    previous_temp.mkdir()
+    env = os.environ | {warm.POOL: str(pool.folder), "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(previous_temp)}
     try:
         out = subprocess.run([sys.executable, "-c", PREVIOUS_NOTEBOOK], env=env, capture_output=True, text=True,
                              timeout=400)
@@ -196,10 +201,11 @@ def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(
                   f"({cluster.timings}); the target is 5 s on a quiet 2-core machine")
         assert cluster.attached and [s["pid"] for s in cluster.states] == before["pids"]  # the same processes
         assert [s["rank"] for s in cluster.states] == [0, 1] and {s["timeout_s"] for s in cluster.states} == {20}
+        cluster.view.push({"PREVIOUS_TEMP": str(previous_temp)})
         cluster.run(AFTER_RESET, 120)
         got = {name: cluster.view.pull(name) for name in ("variables_left", "old_groups_unknown", "counters",
-               "cache_entries", "handlers", "extra_handler", "leftover_variable", "temp_folder", "first_draw",
-               "world.item()", "rss")}
+               "cache_entries", "handlers", "extra_handler", "leftover_variable", "old_temp_folder", "temp_folder",
+               "first_draw", "world.item()", "rss")}
         assert got["variables_left"] == [[], []]
         # torch.distributed no longer knows the old groups (world and subgroup); the new world works.
         assert got["old_groups_unknown"] == [[True, True]] * 2 and got["world.item()"] == [2.0, 2.0]
@@ -207,6 +213,7 @@ def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(
         assert got["counters"] == [{}, {}] and got["cache_entries"] == [0, 0]
         assert got["handlers"] == before["series_handlers"] and got["extra_handler"] == [False, False]
         assert got["leftover_variable"] == [False, False]
+        assert got["old_temp_folder"] == [[], []]  # e.g. torch's compile cache folder, set at import
         assert got["temp_folder"] == [tempfile.gettempdir()] * 2  # files go where this kernel expects them
         assert got["first_draw"] == before["fresh_draw"]  # what a new rank draws first
         # The 512 MiB tensor is given back: every rank within 64 MiB of what it held before it.

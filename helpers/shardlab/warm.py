@@ -207,7 +207,8 @@ SHARD_REGISTRIES = ("_dispatch_registry", "_dispatch_registry_by_name", "_functi
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
     """``launch.init_rank``, then, at a rank's first initialisation, a note of the series' own state: ShardTensor's
     handler registries (the handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the
-    environment variables."""
+    environment the rank was started with (before any import wrote into it: torch sets its compile cache folder
+    there, inside the temp folder of the kernel that started the rank)."""
     state = launch.init_rank(rendezvous, timeout_s, threads)
     if not _SERIES_STATE:
         import torch
@@ -217,15 +218,15 @@ def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dic
         _SERIES_STATE["_enable_shard_patches"] = getattr(ShardTensor, "_enable_shard_patches", None)
         _SERIES_STATE["rng"] = torch.random.get_rng_state()
         _SERIES_STATE["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        _SERIES_STATE["environ"] = dict(os.environ)
+        _SERIES_STATE["environ"] = psutil.Process().environ()
     return state
 
 
 def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, environment: dict[str, str]) -> dict:
     """What a claimed rank runs (after ``%reset -f`` emptied its namespace): tear down every process group, forget
-    meshes and compiled graphs, go back to the series' own handlers, a new process's RNG and environment variables
-    (torch.compile sets its cache folder there once), take the claiming kernel's ``environment`` (its temp folder),
-    give memory back, then initialise as a fresh rank does."""
+    meshes and compiled graphs, go back to the series' own handlers, a new rank's RNG and the environment the rank
+    was started with, take the claiming kernel's ``environment`` (its temp folder), give memory back, then
+    initialise as a fresh rank does."""
     import gc
     import tempfile
 
