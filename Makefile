@@ -10,6 +10,9 @@ KERNEL_NAME := Python (shardlab: PhysicsNeMo distributed)
 STAMP  := $(VENV)/.installed
 # Extra options for `jupyter lab`, e.g. LAB_ARGS="--ip=0.0.0.0 --no-browser" in a container (container/).
 LAB_ARGS ?=
+# Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.warm; README "Ranks
+# ready without the wait"); 0: every notebook starts and stops ranks of its own.
+SHARDLAB_KEEP_WARM ?= 900
 
 # ipykernel's installer leaves an empty tmp*_kernels folder in the temp folder at every install (ipykernel 7.4:
 # install() removes the spec it wrote, not the folder it made for it), so it gets a temp folder of its own.
@@ -47,8 +50,10 @@ endef
 
 .PHONY: lab test test-fast test-system gpu-check lint handout env lock clean-env kernel-user slurm-start slurm-stop
 
+# JupyterLab runs with a pool of warm ranks of its own, stopped when it exits.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(VENV)/bin/python -m shardlab.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
+		$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The kernel spec in ~/.local/share/jupyter/kernels, where any Jupyter server of this user finds it: a JupyterHub
 # single-user server, or a JupyterLab not started from .venv. It runs .venv's Python (absolute path).

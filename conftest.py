@@ -10,7 +10,13 @@ Only with SHARDLAB_SYSTEM_SETUP=1 (``make test-system``, what CI runs) does the 
 the first such test starts a single-node Slurm with scripts/local-slurm.sh (which installs Debian's
 packages where missing), once per run (a file lock keeps two xdist workers from doing it twice), and
 the run stops it at the end. Without it, a run that changed the machine outside the checkout and the
-temp folder fails (tests/machine_changes.py)."""
+temp folder fails (tests/machine_changes.py).
+
+Notebooks attach to warm ranks: each process that runs tests (each xdist worker) has a pool of warm clusters
+(shardlab.warm) that tests/notebook_runner.py gives the notebooks it runs, so a notebook's ``sl.start_cluster()``
+reuses, after a reset, the ranks the previous notebook of the same size stopped; the pool is stopped at the end.
+``SHARDLAB_TEST_WARM=off`` makes every notebook start its own ranks. Every other test (faults, Slurm, MPICH,
+restarts, the cluster's start and stop, kernels started by tests) sees no pool: it starts fresh ranks."""
 
 import contextlib
 import fcntl
@@ -26,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab import procs
+from shardlab import procs, warm
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
 # share their controller's. shardlab.procs reads it whenever it is asked.
@@ -50,6 +56,7 @@ LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
 SLURM_STATE = Path("/run/shardlab-slurm")
 MACHINE_BEFORE = pytest.StashKey[machine_changes.Snapshot]()
 _needs: dict[str, str | None] = {}  # "slurm"/"mpich" -> None when usable, else why not (once per process)
+WARM_POOL_FOR_NOTEBOOKS = "SHARDLAB_TEST_WARM_POOL"
 ENABLE = f"`sudo make test-system` sets this machine up for them ({machine_changes.SYSTEM_SETUP}=1)"
 
 
@@ -101,9 +108,34 @@ def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None)
     return left
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_pool():
+    """This process's pool of warm clusters, for the notebooks its tests run (``WARM_POOL_FOR_NOTEBOOKS`` names it
+    to tests/notebook_runner.py), stopped at the end; its processes are marked as the session's, not any test's."""
+    if os.environ.get("SHARDLAB_TEST_WARM") == "off":
+        yield None
+        return
+    pool = warm.Pool.create(f"{SESSION_ORIGIN}/warm-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", idle_s=900)
+    os.environ[WARM_POOL_FOR_NOTEBOOKS] = str(pool.folder)
+    try:
+        yield pool
+    finally:
+        del os.environ[WARM_POOL_FOR_NOTEBOOKS]
+        pool.stop()
+
+
+def clusters_in_use(pool) -> list[procs.Record]:
+    """The pool's clusters that are not parked: a notebook that never stopped its cluster (a parked one is fine)."""
+    if pool is None or not pool.folder.exists():
+        return []
+    parked = {p.cluster_id for p in pool.parked()}
+    return [r for r in procs.records_in(pool.folder) if r.cluster_id not in parked]
+
+
 @pytest.fixture
-def no_leftovers(request, monkeypatch):
-    """Fail the test if it leaves engine, controller or launcher processes behind.
+def no_leftovers(request, monkeypatch, warm_pool):
+    """Fail the test if it leaves engine, controller or launcher processes behind, or a cluster of the warm pool
+    running that it did not stop (park).
 
     What the test starts gets an origin of its own, nested in the session's, so that tests running
     side by side (pytest -n 2) never count each other's processes."""
@@ -112,6 +144,10 @@ def no_leftovers(request, monkeypatch):
     yield
     left = wait_for_no_leftovers(of_origin=mine)
     assert not left, f"processes left behind by {request.node.nodeid}: {_describe(left)}"
+    in_use = clusters_in_use(warm_pool)
+    for record in in_use:
+        record.clean_up(grace_s=1.0)
+    assert not in_use, f"{request.node.nodeid} left clusters of the warm pool running: {[r.cluster_id for r in in_use]}"
 
 
 def _describe(processes) -> list:
@@ -134,9 +170,12 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"{item.nodeid} starts processes: mark it multirank, notebook, browser "
                                         "or bench")
             item.add_marker(pytest.mark.unit)
-    # The slowest kinds first: with several workers, the run then ends on short tests, not on one long tail.
+    # The slowest kinds first: with several workers, the run then ends on short tests, not on one long tail. Among
+    # them, tests of one world size next to each other: each worker runs a block, and a notebook attaches to the
+    # ranks the previous one parked only when their sizes match.
     first = ("slurm", "notebook", "browser", "bench", "multirank")
-    items.sort(key=lambda item: next((i for i, name in enumerate(first) if item.get_closest_marker(name)), len(first)))
+    items.sort(key=lambda item: (next((i for i, name in enumerate(first) if item.get_closest_marker(name)), len(first)),
+                                 getattr(item, "callspec", None) and item.callspec.params.get("ranks", 0) or 0))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -19,7 +19,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from shardlab import procs
+from shardlab import procs, warm
 from shardlab.handout import SOLUTION_TAG, blank_source, wrong_answers
 
 
@@ -65,13 +65,17 @@ def left_in_temp_folder(folder: Path) -> list[str]:
 def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env: dict | None = None) -> NotebookRun:
     """Execute every cell of ``path`` (a failing cell raises CellExecutionError, as under nbmake) and
     return what each rehearsed answer did to its check. The kernel, and all it starts, get a temp folder of
-    their own; a run that leaves files in it fails."""
+    their own; a run that leaves files in it fails. The kernel gets the session's pool of warm clusters
+    (conftest.py): its ``sl.start_cluster()`` attaches to the ranks the previous notebook parked, reset."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab",
                             resources={"metadata": {"path": str(path.parent)}})
     run = NotebookRun(path)
+    env = os.environ if env is None else env
+    if pool := env.get("SHARDLAB_TEST_WARM_POOL"):
+        env = env | {warm.POOL: pool}
     with tempfile.TemporaryDirectory(prefix=f"{path.stem}-tmp-") as temp_folder:
-        _execute(client, nb, run, rehearse, (os.environ if env is None else env) | {"TMPDIR": temp_folder})
+        _execute(client, nb, run, rehearse, env | {"TMPDIR": temp_folder})
         left = left_in_temp_folder(Path(temp_folder))
         assert not left, f"{path.name} left files in the temp folder: {left}"
     return run

@@ -14,8 +14,9 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
 - ``SHARDLAB_RANKS``: how many engines;
 - ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
-How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s. This module keeps
-the cluster's life: settings, start (controller, engines, ranks initialised), stop and restart.
+How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s; keeping ranks for
+the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start
+(controller, engines, ranks initialised, or a parked cluster taken over), stop (or park) and restart.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -29,8 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import ipyparallel as ipp
+import psutil
 
-from . import launch, procs
+from . import launch, procs, warm
 from .devices import default_ranks, place_ranks, slurm_gpus, usable_cores, visible_gpus
 from .engines import ENGINE_CONFIG, ENGINES, MPIS, EngineLauncher, choice, engine_launcher
 from .launcher_programs import free_port
@@ -85,15 +87,18 @@ def check_engine_ids(ids: list[int], ranks: list[int]) -> None:
                            "misleading. Every engine should have asked for its rank as its id.")
 
 
-def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: float) -> list[dict]:
+def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: float,
+                     reset: dict[str, str] | None = None) -> list[dict]:
     """On every engine of ``view``: check that its id is its launcher rank, then initialise DistributedManager
-    with rank 0 on loopback at a free port; every rank's state, in rank order."""
+    with rank 0 on loopback at a free port; every rank's state, in rank order. ``reset``: the engines are a parked
+    cluster's, reset first (``warm.reset_rank``) with this environment of the claiming kernel."""
     infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
     check_engine_ids(ids, [info.rank for info in infos])
     cores = usable_cores()
     threads = max(1, cores // len(ids))  # ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    result = view.apply_async(launch.init_rank, rendezvous, timeout_s, threads)
+    result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
+              else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
     # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow: a start that
     # runs out of time there is a slow start, not a collective some rank never joined.
     slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
@@ -135,12 +140,14 @@ class MPICluster:
     def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None,
                  engines: str | None = None, controller_ip: str | None = None, mpi: str | None = None,
-                 shared_dir: str | os.PathLike | None = None, slurm_args: Sequence[str] = ()):
+                 shared_dir: str | os.PathLike | None = None, slurm_args: Sequence[str] = (), keep_warm: bool = False):
         """``engines``: "mpi" (mpiexec here) or "slurm"; ``mpi``: "openmpi" or "mpich" (which mpiexec);
         ``controller_ip``: where the controller listens; ``shared_dir``: the folder for the profile (connection
         files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
         engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
-        Unset, each is read from its environment variable (module docstring), then the defaults."""
+        Unset, each is read from its environment variable (module docstring), then the defaults.
+        ``keep_warm``: in a pool of warm clusters (``$SHARDLAB_WARM_POOL``, see ``warm``), ``start()`` claims a
+        parked cluster of this shape and resets it, and ``stop()`` parks it; mpiexec engines only."""
         self.engines = choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
         self.mpi = choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
         self.slurm_args = list(slurm_args)
@@ -156,6 +163,8 @@ class MPICluster:
         self.shared_dir = shared_dir or os.environ.get("SHARDLAB_SHARED_DIR") or None
         self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
         self.start_timeout_s = start_timeout_s
+        self.pool = warm.Pool.from_environment() if keep_warm and self.engines == "mpi" else None
+        self.attached = self.parked = False  # claimed a parked cluster at start; parked at stop
         self.states: list[dict] = []
         self.start_seconds: float | None = None
         self.timings: dict[str, float] = {}
@@ -170,17 +179,29 @@ class MPICluster:
     profile_dir = property(lambda self: self._record.profile_dir if self._record else None,
                            doc="This start's profile folder (connection files, engine config, logs).")
 
-    def start(self) -> MPICluster:
+    shape = property(lambda self: warm.shape_of(self.n, self.device, self.engines, self.mpi, self.controller_ip,
+                                                self.shared_dir), doc="What a parked cluster must match to be claimed.")
+
+    def start(self, attach: bool = True) -> MPICluster:
+        """Start the ranks; in a pool (``keep_warm``), claim and reset a parked cluster of this shape instead,
+        unless ``attach`` is False."""
         procs.clean_stale_clusters()
-        profile_dir = procs.make_profile_dir(self.cluster_id, self.shared_dir)
+        if self.pool is not None:
+            if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
+                return self
+            warm.evict_own(self.pool, self.shape)
+        pooled = {} if self.pool is None else self.pool.marked_environment()  # its processes outlive this kernel
+        profile_dir = procs.make_profile_dir(self.cluster_id, self.shared_dir or (self.pool and self.pool.folder))
         Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
-        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir, self.job_name)
+        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir, self.job_name,
+                                                    str(self.pool.folder) if self.pool else "")
         self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
         options = self.engine_launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
+        options["environment"] |= pooled
         self._cluster = ipp.Cluster(
             engines=self.engine_launcher.engine_set_class, n=self.n, cluster_id=self.cluster_id,
             profile_dir=profile_dir, controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS, log_level=40)
-        controller_env = {"IPP_ENABLE_CURVE": "1"} | procs.marked_environment()
+        controller_env = {"IPP_ENABLE_CURVE": "1"} | procs.marked_environment() | pooled
         self._cluster.config.LocalControllerLauncher.environment = controller_env
         if note := self.engine_launcher.note():
             print(note)
@@ -207,6 +228,40 @@ class MPICluster:
         self.view = view
         return self
 
+    def _attach(self, record: procs.Record) -> bool:
+        """Take over a claimed parked cluster and reset its ranks; False (and the cluster stopped) if it did not
+        come back well, so that a fresh start follows."""
+        t0 = time.perf_counter()
+        self.cluster_id, self._record = record.cluster_id, record
+        try:
+            # Only to connect and to be stopped: ipyparallel 9.2's Cluster.from_file cannot load back the engine
+            # launcher class it saved ("module:Class"), and the record lists every process to stop anyway.
+            self._cluster = ipp.Cluster(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
+                                        shutdown_atexit=False)
+            self.client = ipp.Client(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
+                                     timeout=warm.RESET_TIMEOUT_S)
+            self.client.wait_for_engines(self.n, timeout=warm.RESET_TIMEOUT_S, interactive=False)
+            self.timings["engines registered"] = time.perf_counter() - t0
+            view = self.client[:]
+            view.block = True
+            ids = list(self.client.ids)
+            wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
+            self.states = initialise_ranks(view, ids, self.timeout_s, warm.RESET_TIMEOUT_S,
+                                           reset=warm.kernel_environment())
+        except Exception as error:  # whatever went wrong, new ranks are the answer
+            print(f"The parked cluster {record.cluster_id} did not come back ({type(error).__name__}: "
+                  f"{str(error)[:200]}): starting new ranks.")
+            self._cluster = self._cluster or ipp.Cluster(shutdown_atexit=False)  # so that _shut_down stops it all
+            self._shut_down()
+            self.cluster_id = f"shardlab-{uuid.uuid4().hex[:8]}"
+            self.timings = {}
+            return False
+        atexit.register(self.stop)
+        self.attached, self.view = True, view
+        self.start_seconds = time.perf_counter() - t0
+        self.timings["DistributedManager ready"] = self.start_seconds - self.timings["engines registered"]
+        return True
+
     def wait(self, async_result, timeout_s: float, what: str, view=None):
         """Wait for an ipyparallel result; on time-out, name the ranks that did not answer."""
         targets = (view or self.view or self.client[:]).targets
@@ -230,16 +285,18 @@ class MPICluster:
         """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
         the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
         activated = self._activated
-        self.stop()
+        self._shut_down()
         self.cluster_id, self.timings = f"shardlab-{uuid.uuid4().hex[:8]}", {}
         self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
                                                self.slurm_args)
-        self.start()
+        self.attached = self.parked = False
+        self.start(attach=False)
         return self.activate(**activated) if activated is not None else self
 
     def alive_processes(self) -> list[int]:
-        """PIDs of this cluster's engines, controller and launcher that are still running."""
-        return [p.pid for p in procs.alive(self._record.processes)] if self._record else []
+        """PIDs of this cluster's engines, controller and launcher that are still running (none once parked: a
+        parked cluster belongs to its pool's keeper, not to this notebook)."""
+        return [p.pid for p in procs.alive(self._record.processes)] if self._record and not self.parked else []
 
     def table(self) -> list[dict]:
         """Every rank's DistributedManager state, as rows."""
@@ -253,7 +310,33 @@ class MPICluster:
 
     def stop(self) -> None:
         """Stop engines and controller, cancel the engines' Slurm job, then kill anything of this cluster still
-        alive; returns once the job has left the queue."""
+        alive; returns once the job has left the queue. In a pool (``keep_warm``), a cluster whose ranks are all
+        alive and idle is parked instead, for the next notebook."""
+        if self._px is not None:
+            self._px.stop()
+        if self._cluster is None or (self.pool is not None and self._park()):
+            return
+        self._shut_down()
+
+    def _park(self) -> bool:
+        """Hand the cluster to the pool if every rank is alive and idle (else False: it is stopped instead)."""
+        try:
+            # Cells block until every rank answered: only one given up on (cell_timeout_s) is still outstanding.
+            idle = sorted(self.client.ids) == list(range(self.n)) and not self.client.outstanding
+        except Exception:  # a cluster that cannot say is not worth keeping
+            return False
+        if not idle or not all(psutil.pid_exists(state["pid"]) for state in self.states):
+            return False
+        cluster, self._cluster = self._cluster, None
+        cluster.shutdown_atexit = False  # ipyparallel would stop it when this kernel exits
+        self.client.close()
+        warm.park(self.pool, self._record, self.shape)
+        atexit.unregister(self.stop)
+        self.parked, self.view = True, None
+        return True
+
+    def _shut_down(self) -> None:
+        """Stop the cluster for good, parked or not."""
         if self._px is not None:
             self._px.stop()
         if self._cluster is None:
@@ -278,7 +361,8 @@ class MPICluster:
 
 
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
-                  activate: bool = True, cell_timeout_s: float | None = None, **options) -> MPICluster:
+                  activate: bool = True, cell_timeout_s: float | None = None, keep_warm: bool = True,
+                  **options) -> MPICluster:
     """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
     ``%%px`` run on all of them. ``device``: "auto" (``devices.place_ranks``: CUDA engines when every engine has
     a GPU, CPU ranks with no GPU or one; more engines than two or more GPUs is refused), "cpu" or "cuda".
@@ -287,7 +371,11 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     allocation srun starts the engines in it; outside, an sbatch job does), or ``mpi="mpich"``. Unset, they
     come from ``$SHARDLAB_ENGINES``, ``$SHARDLAB_MPI``, ``$SHARDLAB_CONTROLLER_IP`` and ``$SHARDLAB_SHARED_DIR``,
     so unchanged notebooks run on Slurm engines with e.g. ``SHARDLAB_ENGINES=slurm SHARDLAB_CONTROLLER_IP='*'``.
+
+    Under ``make lab`` (a pool of warm clusters, ``warm``), the ranks the previous notebook stopped are reused,
+    reset to a fresh start's state, in seconds (``cluster.attached`` says so), and ``cluster.stop()`` keeps them
+    for the next notebook; ``keep_warm=False`` always starts and stops ranks of its own.
     """
-    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, **options).start()
+    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options).start()
     return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster
 

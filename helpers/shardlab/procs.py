@@ -61,7 +61,8 @@ class UnsafeFolder(RuntimeError):
     """A folder shardlab would trust belongs to someone else or is open to others; the message says what to do."""
 
 
-def _check_owner_only(path: Path) -> None:
+def check_owner_only(path: Path) -> None:
+    """Refuse a folder that is not a plain folder of this user's, closed to others (UnsafeFolder says why)."""
     info = path.lstat()
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise UnsafeFolder(f"{path} is not a plain folder: remove it, shardlab will recreate it.")
@@ -85,7 +86,7 @@ def registry() -> Path:
         path.mkdir(mode=0o700, parents=True)
     except FileExistsError:
         pass
-    _check_owner_only(path)
+    check_owner_only(path)
     return path
 
 
@@ -281,17 +282,20 @@ class Record:
     processes: list = field(default_factory=list)
     jobs: list = field(default_factory=list)  # Slurm job ids (engines submitted with sbatch)
     job_name: str = ""  # what those jobs are called: a job is cancelled only if its id still carries this name
+    folder: str = ""  # where the record is kept: the registry, or a pool of warm clusters (shardlab.warm)
 
     @classmethod
-    def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "") -> Record:
+    def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "", folder: str = "") -> Record:
         me = psutil.Process()
-        return cls(cluster_id, me.pid, me.create_time(), profile_dir, job_name=job_name)
+        return cls(cluster_id, me.pid, me.create_time(), profile_dir, job_name=job_name, folder=folder)
 
     @property
     def path(self) -> Path:
-        return registry() / f"{self.cluster_id}.json"
+        return Path(self.folder or registry()) / f"{self.cluster_id}.json"
 
     def save(self) -> None:
+        if self.folder and not Path(self.folder).is_dir():
+            return  # a pool of warm clusters that was stopped took its records, and what they name, with it
         tmp = self.path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -315,7 +319,8 @@ class Record:
         self.remove()
 
 
-def _load(path: Path) -> Record | None:
+def load_record(path: Path) -> Record | None:
+    """The record at ``path``, if it is a plain file of this user's that holds one (else None: not ours)."""
     try:
         info = path.lstat()
         if not stat.S_ISREG(info.st_mode) or info.st_uid != user_id():
@@ -325,13 +330,17 @@ def _load(path: Path) -> Record | None:
         return None
 
 
-def clean_stale_clusters() -> int:
-    """Stop the clusters of this user's kernels that are gone; return how many were cleaned."""
+def records_in(folder: Path | None = None) -> list[Record]:
+    """The records in ``folder`` (default: this user's registry); files that are not records we wrote are left
+    alone."""
+    return [r for r in map(load_record, sorted(Path(folder or registry()).glob("*.json"))) if r is not None]
+
+
+def clean_stale_clusters(folder: Path | None = None) -> int:
+    """Stop the clusters of this user's kernels that are gone (records in ``folder``, default: the registry);
+    return how many were cleaned."""
     cleaned = 0
-    for path in registry().glob("*.json"):
-        record = _load(path)
-        if record is None:
-            continue  # not a record we wrote: leave it alone
+    for record in records_in(folder):
         if not record.owner_alive():
             record.clean_up()
             cleaned += 1
