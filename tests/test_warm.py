@@ -173,6 +173,32 @@ rss = psutil.Process().memory_info().rss
 """
 
 
+def test_restore_registry_removes_new_handlers_and_puts_back_replaced_ones():
+    """What a reset (and lesson 10's exercise check) does to ShardTensor's handler registries: a handler registered
+    since the snapshot is gone, one it replaced is back, by function and by name, in every registry."""
+    import torch
+    from physicsnemo.domain_parallel import ShardTensor
+
+    from shardlab.exercises.nb10 import registered_handler
+    from shardlab.models import DIFFUSE
+
+    before = warm.registry_snapshot()
+    series_roll = ShardTensor._function_registry.get(torch.roll)
+
+    def learner_patch(func, types, args, kwargs):
+        return None
+
+    ShardTensor.register_function_handler(DIFFUSE, learner_patch)
+    ShardTensor.register_named_function_handler(str(DIFFUSE), learner_patch)
+    ShardTensor.register_function_handler(torch.roll, learner_patch)  # replaces the series' handler, if any
+    ShardTensor.register_dispatch_handler(DIFFUSE, learner_patch)
+    assert registered_handler() is learner_patch
+    warm.restore_registry(before)
+    assert warm.registry_snapshot() == before
+    assert registered_handler() is None
+    assert ShardTensor._function_registry.get(torch.roll) is series_roll
+
+
 @pytest.mark.multirank
 def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(no_leftovers, tmp_path, capsys):
     pool = warm.Pool.create(os.environ[procs.ORIGIN], idle_s=30)  # the processes count as this test's

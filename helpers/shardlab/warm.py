@@ -201,7 +201,25 @@ def keep(marker: Path, poll_s: float = 0.5) -> None:
 
 _SERIES_STATE: dict = {}  # on a rank: what its first initialisation left, to go back to at every reset
 SHARD_REGISTRIES = ("_dispatch_registry", "_dispatch_registry_by_name", "_function_registry",
-                    "_named_function_registry")
+                    "_named_function_registry")  # ShardTensor's class-level handler tables, shared by the process
+
+
+def registry_snapshot() -> dict:
+    """A copy of ShardTensor's handler registries as they are now: what ``restore_registry`` puts back."""
+    from physicsnemo.domain_parallel import ShardTensor
+
+    return {name: dict(getattr(ShardTensor, name)) for name in SHARD_REGISTRIES}
+
+
+def restore_registry(snapshot: dict) -> None:
+    """Make ShardTensor's registries what ``snapshot`` holds: a handler registered since is gone, one it replaced is
+    back. In place, because ShardTensor reads the class attributes at every call."""
+    from physicsnemo.domain_parallel import ShardTensor
+
+    for name in SHARD_REGISTRIES:
+        registry = getattr(ShardTensor, name)
+        registry.clear()
+        registry.update(snapshot[name])
 
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
@@ -214,7 +232,7 @@ def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dic
         import torch
         from physicsnemo.domain_parallel import ShardTensor
 
-        _SERIES_STATE.update({name: dict(getattr(ShardTensor, name)) for name in SHARD_REGISTRIES})
+        _SERIES_STATE["registries"] = registry_snapshot()
         _SERIES_STATE["_enable_shard_patches"] = getattr(ShardTensor, "_enable_shard_patches", None)
         _SERIES_STATE["rng"] = torch.random.get_rng_state()
         _SERIES_STATE["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -251,10 +269,7 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
         torch._dynamo.utils.counters.clear()
     if "torch._inductor.utils" in sys.modules:
         torch._inductor.utils.clear_caches()  # e.g. the cache folders it worked out from the old temp folder
-    for name in SHARD_REGISTRIES:
-        registry = getattr(ShardTensor, name)
-        registry.clear()
-        registry.update(_SERIES_STATE[name])
+    restore_registry(_SERIES_STATE["registries"])
     if _SERIES_STATE["_enable_shard_patches"] is not None:
         ShardTensor._enable_shard_patches = _SERIES_STATE["_enable_shard_patches"]
     os.environ.clear()

@@ -17,34 +17,17 @@ from torch.distributed.tensor import Shard
 
 from ..check import Watch, earlier_object
 from ..models import DIFFUSE, diffuse
+from ..warm import restore_registry
 from .nb04 import SMALL, _diagnose, _shard_tensor
 
 HALO = 1  # rows of each neighbour the 5-point stencil reads
 
-# ShardTensor's four handler registries (class attributes, shared by every ShardTensor of the process).
-REGISTRIES = ("_function_registry", "_named_function_registry", "_dispatch_registry", "_dispatch_registry_by_name")
 
 
 def registered_handler(op=DIFFUSE):
     """The handler ShardTensor would run for ``op`` (by the operator, then by its name), or None."""
     ShardTensor = _shard_tensor()
     return ShardTensor._function_registry.get(op) or ShardTensor._named_function_registry.get(str(op))
-
-
-def registry_snapshot() -> dict:
-    """A copy of ShardTensor's four handler registries, as they are now: what ``restore_registry`` puts back."""
-    ShardTensor = _shard_tensor()
-    return {name: dict(getattr(ShardTensor, name)) for name in REGISTRIES}
-
-
-def restore_registry(snapshot: dict) -> None:
-    """Make ShardTensor's registries what ``snapshot`` holds: a handler registered since is gone, one it replaced is
-    back. In place: ShardTensor reads the class attributes at every call."""
-    ShardTensor = _shard_tensor()
-    for name, entries in snapshot.items():
-        registry = getattr(ShardTensor, name)
-        registry.clear()
-        registry.update(entries)
 
 
 def _cases(x):
