@@ -9,8 +9,8 @@ checks every import, including those inside functions, against this list.
    deadline, per-rank error summary)
 2. ``launch``: launcher variables, ``run_job`` (a job of ranks), ``init_distributed`` on every rank;
    ``engines``: one engine launcher per way of starting the engines behind ``%%px``
-3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``; ``warm`` (ranks kept for the
-   next notebook, and the reset that makes them fresh)
+3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``, ``levers`` (a training
+   step's memory levers); ``warm`` (ranks kept for the next notebook, and the reset that makes them fresh)
 4. ``train``: wrappers, the Trainer, checkpoints
 5. ``measure`` (bytes and collectives, measured live; also a command-line tool), ``plot`` (figures)
 6. ``cluster`` (the ipyparallel cluster behind ``%%px``), ``check`` (exercise checks), ``plan`` (the memory
@@ -30,7 +30,7 @@ LAYERS = (
     ("devices",),
     ("workarounds", "report", "procs", "launcher_programs", "px"),
     ("launch", "engines"),
-    ("mesh", "data", "models", "warm"),
+    ("mesh", "data", "models", "levers", "warm"),
     ("train",),
     ("measure", "plot"),
     ("cluster", "check", "plan"),

@@ -17,8 +17,8 @@ import torch
 
 from .. import plan as plan_package
 from ..check import Watch, earlier_object
+from ..levers import Levers
 from ..plan import Planner, compare, conv_model, fmt_bytes
-from ..train import Levers
 
 WRAPPERS = ("ddp", "fsdp2")  # "none" averages gradients by hand (notebook 05): not a layout to train with
 LOW = torch.bfloat16

@@ -10,8 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..launch import detect_launch, shutdown_distributed, write_job_result
+from ..levers import Levers
 from ..report import Table
-from ..train import WRAPPERS, Levers
+from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..levers import NO_LEVERS, Levers, use_checkpointing
 from ..mesh import check_batch_per_domain_group
-from ..train import NO_LEVERS, WRAPPERS, Levers, fsdp_units, use_checkpointing
+from ..train import WRAPPERS, fsdp_units
 from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
 from .records import BUFFERS, Plan, RankBytes
 from .search import DomainSearch

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..levers import NO_LEVERS, Levers
 from ..report import Table
-from ..train import NO_LEVERS, Levers
 from .inputs import GiB, fmt_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")

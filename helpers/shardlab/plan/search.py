@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..train import NO_LEVERS, Levers
+from ..levers import NO_LEVERS, Levers
 from .records import headroom
 
 

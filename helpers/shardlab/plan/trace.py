@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..train import NO_LEVERS, Levers, training_step
+from ..levers import NO_LEVERS, Levers
+from ..train import training_step
 from .inputs import OPTIMIZERS
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp)
