@@ -280,8 +280,8 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
     by side: predicted hatched on the left, measured solid on the right, each with its total on top.
 
     ``cases``: {case label: (predicted {category: bytes}, measured {category: bytes})}. ``peaks``: {case label:
-    (predicted peak, measured peak)} in bytes, either None where there is none (a CPU rank has no allocator peak):
-    drawn as a black mark across the bar it belongs to.
+    (predicted peak, measured peak)} in bytes, either None where there is none: drawn as a black mark across the
+    bar it belongs to.
     """
     scale = _units(unit)
     labels = list(cases)
@@ -296,7 +296,7 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
 
     fig, ax = _figure_and_axes(ax, (max(5.0, 1.3 * len(labels) + 3.0), 4.4))
     centres = np.arange(len(labels), dtype=float)
-    tops, marked = [], []
+    tops, marked, marks = [], [], []
     for side, (offset, style) in enumerate(((-0.21, {"hatch": "///", "alpha": 0.75}), (0.21, {}))):
         x = centres + offset
         handles, bottom = _stacked(ax, x, [cases[label][side] for label in labels], categories, scale, 0.38, **style)
@@ -307,10 +307,10 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
         for xi, label in zip(x, labels):
             peak = (peaks.get(label) or (None, None))[side]
             if peak is not None:
+                marks.append(peak / scale)
                 marked.append(ax.hlines(peak / scale, xi - 0.2, xi + 0.2, colors="black", linewidth=2.5, zorder=3,
                                         linestyles="solid" if side else (0, (2, 1)),
                                         label="allocator peak (measured)" if side else "peak (predicted)"))
-    marks = [m.get_segments()[0][0][1] for m in marked]
     ax.set_ylim(0, (max([*np.concatenate(tops), *marks], default=0) or 1) * 1.15)
     ax.set_xticks(centres, [textwrap.fill(label, 16) for label in labels])  # long labels on lines of their own
     ax.set_ylabel(f"bytes ({unit})")
