@@ -77,10 +77,11 @@ def _api(url: str, method: str = "GET"):
 
 @contextlib.contextmanager
 def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
-    """`make lab`'s server, headless on 127.0.0.1 with a random token; yields (base URL, token, api).
+    """`make lab`'s server, headless on 127.0.0.1 with a random token; yields (base URL, token, api). As under
+    `make lab`, it runs inside ``python -m shardlab.warm run``: a notebook's stopped ranks wait for the next one.
 
     On the way out every kernel is shut down through the REST API (so a notebook's cluster stops with its kernel),
-    then the server is terminated, and killed if it does not exit.
+    then the server is terminated (the pool of warm ranks stops with it), and killed if it does not exit.
     """
     port, token = _free_port(), secrets.token_hex(24)
     settings, workspaces = root / ".lab-settings", root / ".lab-workspaces"
@@ -89,6 +90,7 @@ def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     command = [
+        sys.executable, "-m", "shardlab.warm", "run", "--",
         str(Path(sys.prefix) / "bin" / "jupyter"), "lab", "--no-browser",
         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",

@@ -94,8 +94,8 @@ sl.launch.shutdown_distributed()
 def test_unet_on_a_field_sharded_along_h_matches_one_process(ranks, tmp_path, no_leftovers):
     script = tmp_path / "domain_parallel.py"
     script.write_text(DOMAIN_PARALLEL)
-    proc = subprocess.run(torchrun_command(ranks, str(script)), capture_output=True, text=True, timeout=300,
-                          env=clean_environment(CUDA_VISIBLE_DEVICES=""))
+    proc = subprocess.run(torchrun_command(ranks, str(script), log_dir=tmp_path / "torchrun-logs"), capture_output=True,
+                          text=True, timeout=300, env=clean_environment(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert result["placements"] == "(Shard(dim=2),)" and result["local rows"] == 64 // ranks

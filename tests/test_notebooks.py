@@ -15,9 +15,13 @@ from shardlab import procs
 from shardlab.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-# The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8.
-OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS
-                     if path.stem[:2] in ("02", "03", "04", "05", "07", "10", "11") for ranks in (2, 8)]
+# The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8. 10 and 11 run
+# whole at 2 ranks in JupyterLab (tests/test_browser.py), which fails on any cell that fails, so not again here.
+OTHER_SIZES = {"02": (2, 8), "03": (2, 8), "04": (2, 8), "05": (2, 8), "07": (2, 8), "10": (8,), "11": (8,)}
+OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS for ranks in OTHER_SIZES.get(path.stem[:2], ())]
+# At the other sizes the capstone proves the program (the mesh, every step's loss against one process, the resume),
+# in 20 steps; how far it learns in the default 100 is asserted at the default size.
+AT_OTHER_WORLD_SIZES = {"07_capstone": {"CAPSTONE_STEPS": "20"}}
 
 
 def solution_cells(path: Path) -> list[int]:
@@ -44,7 +48,8 @@ def test_notebook_runs_and_its_checks_reject_wrong_answers(path, no_leftovers):
 def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
     """Mesh shapes and sizes come from the world size: the lesson holds at 2 and 8 ranks too (no rehearsals:
     the exercises were rehearsed at the default size)."""
-    run_notebook(path, rehearse=False, env=os.environ | {"SHARDLAB_RANKS": str(ranks)}, timeout_s=600)
+    env = os.environ | {"SHARDLAB_RANKS": str(ranks)} | AT_OTHER_WORLD_SIZES.get(path.stem, {})
+    run_notebook(path, rehearse=False, env=env, timeout_s=600)
 
 
 def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tmp_path):

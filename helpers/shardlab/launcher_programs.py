@@ -149,12 +149,13 @@ def check_ranks_per_core(n: int, cores: int) -> None:
                          f"(SHARDLAB_RANKS), or set {variable}={-(-n // cores)} to start them anyway.")
 
 
-def torchrun_command(n: int, *program: str, log_dir: str | os.PathLike | None = None) -> list[str]:
+def torchrun_command(n: int, *program: str, log_dir: str | os.PathLike) -> list[str]:
     """``torchrun --standalone --nproc-per-node=n PROGRAM...`` with this environment's Python. Only a command line:
-    ``log_dir`` is where torchrun writes its logs; without one it leaves a ``torchelastic_*`` folder in the temp
-    folder after every job. Whoever runs the command owns that folder, as ``launch.run_job`` does."""
+    ``log_dir`` is where torchrun writes its logs, and it is required because without one torchrun leaves a
+    ``torchelastic_*`` folder in the temp folder after every job. Whoever runs the command owns that folder, as
+    ``launch.run_job`` does."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            *([f"--log-dir={log_dir}"] if log_dir is not None else []), *program]
+            f"--log-dir={log_dir}", *program]
 
 
 def job_command(launcher: str, n: int, *program: str, log_dir: str | os.PathLike | None = None) -> list[str]:
