@@ -147,7 +147,7 @@ def test_watch_records_collectives_with_their_group_and_the_bytes_sent():
             dist.all_reduce(t)
             dist.broadcast(torch.ones(5), src=0)
             out = torch.empty(4)
-            dist.all_gather_into_tensor(out, torch.ones(4))
+            dist.all_gather_single(out, torch.ones(4))
         assert [(e.name, e.ranks, e.bytes) for e in watch.collectives()] == [
             ("all_reduce", (0,), 12), ("broadcast", (0,), 20), ("all_gather", (0,), 16)]  # the input, not the output
         assert watch.collectives("broadcast", ranks=[0]) and not watch.collectives("broadcast", ranks=[0, 1])

@@ -263,6 +263,7 @@ def samples_of_step(samples_in_step, mesh):
         for step in steps:
             with _watching((train, "sample_index", "sl.train.sample_index"),
                            (dist, "all_gather_object", "gathered"), (dist, "all_gather", "gathered (tensors)"),
+                           (dist, "all_gather_single", "gathered (one tensor)"),
                            (dist, "all_gather_into_tensor", "gathered (one tensor)")) as watch:
                 used = samples_in_step(step, judged_mesh, n_samples)
             calls = [e.name.split(" (")[0] for e in watch.calls()]
