@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-HELPERS = sorted((ROOT / "helpers" / "shardlab").glob("*.py"))
+HELPERS = sorted((ROOT / "helpers" / "shardlab").rglob("*.py"))  # subpackages (plan, measure, plot...) too
 
 HARD_CODED_CPU = re.compile(
     r"""init_device_mesh\(\s*["']cpu["']|device\s*=\s*["']cpu["']|\.to\(\s*["']cpu["']\s*\)"""
@@ -64,7 +64,7 @@ def test_notebook_code_uses_the_ranks_device_and_world_size(path):
     assert not found, f"{path.name}:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("path", HELPERS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", HELPERS, ids=lambda p: str(p.relative_to(ROOT / "helpers" / "shardlab")))
 def test_helpers_use_the_ranks_device(path):
     found = problems(path.read_text(), notebook_rules=False)
     assert not found, f"{path.name}:\n" + "\n".join(found)

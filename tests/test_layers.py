@@ -59,3 +59,9 @@ def test_every_import_form_is_seen_even_inside_functions(tmp_path):
                       "from shardlab.cluster import MPICluster\nfrom shardlab import check\n"
                       "def later():\n    from .train import train\n    import shardlab.smoke as smoke\n")
     assert shardlab_imports(source) == {"mesh", "procs", "report", "plot", "cluster", "check", "train", "smoke"}
+
+
+def test_no_module_is_over_400_lines():
+    """One job per unit (issue 19): a module that grows past 400 lines has grown a second job; split it."""
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert not {name: n for name, n in sizes.items() if n > 400}, sorted(sizes.items(), key=lambda kv: -kv[1])[:5]

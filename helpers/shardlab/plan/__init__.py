@@ -34,7 +34,7 @@ is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as he
 **The peak** (``RankBytes.peak``) is the step's high-water mark per rank: the state, plus the larger of the replayed
 forward with FSDP2's forward buffers, the replayed backward with FSDP2's backward buffers (the unit in hand and the
 one it prefetches, or every unit still gathered without ``reshard_after_forward``, and the reduce-scatter input of
-the largest unit) and the optimizer step. Planned ``device="cpu"``, it adds what CPU convolutions hold inside the
+the largest unit) and the optimizer step. Planned for CPU ranks, it adds what CPU convolutions hold inside the
 kernel (``trace.cpu_workspace``: im2col columns on torch's slow path, oneDNN's blocked copies). ``python -m
 shardlab.plan --measure-peaks`` and ``tests/test_plan.py`` check it on 4 CPU ranks against the allocator's own peak
 (``sl.measure.AllocatorPeak``, torch.profiler's memory events), ``make gpu-check`` against ``max_memory_allocated``.

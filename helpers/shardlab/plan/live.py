@@ -268,7 +268,7 @@ def comparison_table(measurement: dict) -> list[dict]:
     rows = []
     for case in measurement["cases"]:
         measured = [RankBytes.from_dict(r) for r in case["ranks"]]
-        device = "cpu" if str(measurement["device"]).startswith("cpu") else "cuda"
+        device = "cpu" if str(measurement["device"]).startswith("cpu") else "cuda"  # CPU-only: as the ranks reported it
         rows += [{"case": case["name"]} | row for row in compare(predict_case(case, device), measured)]
     return rows
 

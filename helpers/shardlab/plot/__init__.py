@@ -1,0 +1,14 @@
+"""Figures of meshes, shards, halos and memory, drawn from plain lists and arrays pulled back from the ranks:
+``layout`` (the mesh, shards and halo rows), ``memory`` (bytes per rank and category, predicted against measured),
+``training`` (the capstone's dashboard), on what ``_base`` shares (colours, units, figures kept out of pyplot).
+
+Introduced in ``notebooks/02_device_mesh.ipynb``.
+"""
+
+from ._base import rank_colour
+from .layout import halo_rows, rank_grid, shard_map
+from .memory import memory_bars, predicted_vs_measured, ratio_curve
+from .training import training_dashboard
+
+__all__ = ["rank_colour", "rank_grid", "shard_map", "halo_rows", "memory_bars", "predicted_vs_measured",
+           "ratio_curve", "training_dashboard"]

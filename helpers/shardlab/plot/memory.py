@@ -1,0 +1,143 @@
+"""Bytes per rank and category: stacked bars, predicted against measured, and ratios over mesh sizes."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+from matplotlib.patches import Patch
+
+from ._base import _category_colour, _figure_and_axes, _units
+
+
+def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: float, **style):
+    """One stacked bar per position of ``x``, a segment per category (same colour for a category everywhere, a
+    missing one stacked as 0); returns the bar containers, one per category, and the tops."""
+    bottom = np.zeros(len(stacks))
+    handles = []
+    for i, category in enumerate(categories):
+        values = np.array([stack.get(category, 0) for stack in stacks], dtype=float) / scale
+        handles.append(ax.bar(x, values, width, bottom=bottom, color=_category_colour(i), edgecolor="white",
+                              linewidth=0.5, label=category, **style))
+        bottom += values
+    return handles, bottom
+
+
+def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=None, capacity_label="GPU memory"):
+    """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker.
+
+    ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold.
+    """
+    scale = _units(unit)
+    labels = list(per_rank)
+    categories = list(dict.fromkeys(c for label in labels for c in per_rank[label]))  # first appearance
+    ideal = ideal or {}
+    unknown = set(ideal) - set(labels)
+    if unknown:
+        raise ValueError(f"ideal has labels {sorted(unknown)} that are not in per_rank {labels}.")
+
+    fig, ax = _figure_and_axes(ax, (max(4.0, 0.9 * len(labels) + 2.8), 4.2))
+    x = np.arange(len(labels))
+    handles, bottom = _stacked(ax, x, [per_rank[label] for label in labels], categories, scale, 0.6)
+
+    marks = np.array([ideal[label] / scale if label in ideal else np.nan for label in labels])
+    has_mark = ~np.isnan(marks)
+    ideal_handles = []
+    if has_mark.any():
+        ideal_handles.append(ax.hlines(marks[has_mark], x[has_mark] - 0.4, x[has_mark] + 0.4, colors="black",
+                                       linewidth=2.5, label="ideal", zorder=3))
+    # The total sits above the ideal mark too, so the mark never strikes through the number.
+    for xi, total, mark in zip(x, bottom, marks):
+        top = total if np.isnan(mark) else max(total, mark)
+        ax.annotate(f"{total:.4g}", (xi, top), xytext=(0, 4), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8)
+
+    capacity_handles = []
+    if capacity is not None:
+        capacity_handles.append(ax.axhline(capacity / scale, color="tab:red", linestyle="--", linewidth=1.5, zorder=4,
+                                           label=f"{capacity_label}: {capacity / scale:.4g} {unit}"))
+    limits = [bottom, marks] + ([[capacity / scale]] if capacity is not None else [])
+    peak = np.nanmax(np.concatenate(limits)) if len(labels) else 0
+    ax.set_ylim(0, (peak or 1) * 1.15)
+    ax.set_xticks(x, labels, rotation=30 if len(labels) > 6 else 0)
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(title or "memory per rank, by category", fontsize=10)
+    # Reversed, so the legend reads top to bottom like the stack.
+    ax.legend(handles=handles[::-1] + ideal_handles + capacity_handles, loc="upper left",
+              bbox_to_anchor=(1.02, 1), fontsize=9, frameon=False)
+    return fig
+
+
+def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
+    """For each case (a configuration), its predicted and its measured bytes per category as two stacked bars side
+    by side: predicted hatched on the left, measured solid on the right, each with its total on top.
+
+    ``cases``: {case label: (predicted {category: bytes}, measured {category: bytes})}. ``peaks``: {case label:
+    (predicted peak, measured peak)} in bytes, either None where there is none: drawn as a black mark across the
+    bar it belongs to.
+    """
+    scale = _units(unit)
+    labels = list(cases)
+    malformed = [label for label in labels if not (isinstance(cases[label], (tuple, list)) and len(cases[label]) == 2)]
+    if malformed:
+        raise ValueError(f"cases {malformed}: give each case a pair (predicted, measured) of {{category: bytes}}.")
+    peaks = peaks or {}
+    unknown = set(peaks) - set(labels)
+    if unknown:
+        raise ValueError(f"peaks has labels {sorted(unknown)} that are not in cases {labels}.")
+    categories = list(dict.fromkeys(c for label in labels for side in cases[label] for c in side))
+
+    fig, ax = _figure_and_axes(ax, (max(5.0, 1.3 * len(labels) + 3.0), 4.4))
+    centres = np.arange(len(labels), dtype=float)
+    tops, marked, marks = [], [], []
+    for side, (offset, style) in enumerate(((-0.21, {"hatch": "///", "alpha": 0.75}), (0.21, {}))):
+        x = centres + offset
+        handles, bottom = _stacked(ax, x, [cases[label][side] for label in labels], categories, scale, 0.38, **style)
+        tops.append(bottom)
+        for xi, total in zip(x, bottom):
+            ax.annotate(f"{total:.4g}", (xi, total), xytext=(0, 3), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7)
+        for xi, label in zip(x, labels):
+            peak = (peaks.get(label) or (None, None))[side]
+            if peak is not None:
+                marks.append(peak / scale)
+                marked.append(ax.hlines(peak / scale, xi - 0.2, xi + 0.2, colors="black", linewidth=2.5, zorder=3,
+                                        linestyles="solid" if side else (0, (2, 1)),
+                                        label="allocator peak (measured)" if side else "peak (predicted)"))
+    ax.set_ylim(0, (max([*np.concatenate(tops), *marks], default=0) or 1) * 1.15)
+    ax.set_xticks(centres, [textwrap.fill(label, 16) for label in labels])  # long labels on lines of their own
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(title or "predicted (hatched, left) and measured (solid, right), by category", fontsize=10)
+    sides = [Patch(facecolor="0.85", edgecolor="0.3", hatch="///", label="predicted"),
+             Patch(facecolor="0.6", edgecolor="white", label="measured")]
+    kinds = list({m.get_label(): m for m in marked}.values())
+    ax.legend(handles=handles[::-1] + sides + kinds, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=9,
+              frameon=False)
+    return fig
+
+
+def ratio_curve(sizes, measured, ideal, xlabel="domain ranks N", ylabel="bytes per rank / bytes on 1 rank", ax=None,
+                ideal_label="ideal"):
+    """Measured against ideal ratios over mesh sizes, each measured point labelled with its value."""
+    if not len(sizes) == len(measured) == len(ideal):
+        raise ValueError(f"sizes, measured and ideal differ in length: {len(sizes)}, {len(measured)}, {len(ideal)}.")
+    fig, ax = _figure_and_axes(ax, (5.5, 4.0))
+    ax.plot(sizes, ideal, "s--", color="black", markersize=5, label=ideal_label)
+    ax.plot(sizes, measured, "o-", color="tab:purple", markersize=6, label="measured")
+    for i, (size, value) in enumerate(zip(sizes, measured)):
+        # Up and to the right, clear of a falling curve; the last point centred so it stays inside the axes.
+        last = i == len(sizes) - 1
+        ax.annotate(f"{value:.3f}", (size, value), xytext=(0, 8) if last else (5, 6), textcoords="offset points",
+                    ha="center" if last else "left", fontsize=8)
+    if len(sizes) and min(sizes) > 0 and max(sizes) / min(sizes) >= 8:
+        ax.set_xscale("log", base=2)  # 1, 2, 4, 8, ... ranks: even spacing instead of a crowded left edge
+        ax.minorticks_off()
+    ax.set_xticks(list(sizes), [str(s) for s in sizes])
+    top = max([*measured, *ideal], default=1)
+    ax.set_ylim(0, top * 1.18 if top > 0 else 1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    return fig
+
