@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardlab as sl
+from shardlab import bringup, engines, launch
 from shardlab import cluster as cl
-from shardlab import engines, launch
 from shardlab import launcher_programs as programs
 from shardlab.devices import usable_cores
 
@@ -100,10 +100,10 @@ def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
     ranks = cores + 1
     slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
     with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
-        cl.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
+        bringup.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
     assert "collective" not in str(slow.value)
     with pytest.raises(cl.ClusterError, match=r"within 60 s\. If they wait in a collective"):
-        cl.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
+        bringup.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
 
 
 def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
@@ -114,9 +114,9 @@ def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch
 
 
 def test_engine_ids_that_are_not_ranks_are_refused():
-    cl.check_engine_ids([0, 1], [0, 1])  # ids equal ranks: accepted
+    bringup.check_engine_ids([0, 1], [0, 1])  # ids equal ranks: accepted
     with pytest.raises(cl.ClusterError, match=r"engine ids \[0, 1\] do not match launcher ranks \[1, 0\]"):
-        cl.check_engine_ids([0, 1], [1, 0])
+        bringup.check_engine_ids([0, 1], [1, 0])
 
 
 @pytest.mark.multirank

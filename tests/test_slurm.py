@@ -19,8 +19,8 @@ import pytest
 
 import shardlab as sl
 from notebook_runner import run_notebook
+from shardlab import bringup, procs
 from shardlab import cluster as cl
-from shardlab import procs
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slurm]
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -97,7 +97,7 @@ def test_a_failed_start_leaves_no_job_and_no_process(monkeypatch, no_leftovers):
     def refuse(ids, ranks):
         raise cl.ClusterError("refused on purpose, after the engines' job was submitted")
 
-    monkeypatch.setattr(cl, "check_engine_ids", refuse)
+    monkeypatch.setattr(bringup, "check_engine_ids", refuse)
     cluster = cl.MPICluster(n=2, device="cpu", engines="slurm", controller_ip="*")
     with pytest.raises(cl.ClusterError, match="refused on purpose"):
         cluster.start()

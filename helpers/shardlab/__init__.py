@@ -11,7 +11,7 @@ checks every import, including those inside functions, against this list.
    ``engines``: one engine launcher per way of starting the engines behind ``%%px``
 3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``, ``levers`` (a training
    step's memory levers); ``warm`` (ranks kept for the next notebook, and the reset that makes them fresh)
-4. ``train``: wrappers, the Trainer, checkpoints
+4. ``train``: wrappers, the Trainer, checkpoints; ``bringup``: a cluster's ranks brought up, fresh or taken over
 5. ``measure`` (bytes and collectives, measured live; also a command-line tool), ``plot`` (figures)
 6. ``cluster`` (the ipyparallel cluster behind ``%%px``), ``check`` (exercise checks), ``plan`` (the memory
    planner; also a command-line tool)
@@ -31,7 +31,7 @@ LAYERS = (
     ("workarounds", "report", "procs", "launcher_programs", "px"),
     ("launch", "engines"),
     ("mesh", "data", "models", "levers", "warm"),
-    ("train",),
+    ("train", "bringup"),
     ("measure", "plot"),
     ("cluster", "check", "plan"),
     ("exercises",),

@@ -14,9 +14,10 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
 - ``SHARDLAB_RANKS``: how many engines;
 - ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
-How each way starts its engines is ``engines``' business; what a ``%%px`` cell does, ``px``'s; keeping ranks for
-the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start
-(controller, engines, ranks initialised, or a parked cluster taken over), stop (or park) and restart.
+How each way starts its engines is ``engines``' business; bringing the ranks up (controller, engines, ranks
+initialised, or a parked cluster taken over), ``bringup``'s; what a ``%%px`` cell does, ``px``'s; keeping ranks for
+the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start (fresh or
+claimed), stop (or park) and restart.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -27,24 +28,16 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 import ipyparallel as ipp
-import psutil
 
 from . import launch, procs, warm
-from .devices import default_ranks, place_ranks, slurm_gpus, usable_cores, visible_gpus
-from .engines import ENGINE_CONFIG, ENGINES, MPIS, EngineLauncher, choice, engine_launcher
-from .launcher_programs import free_port
+from .bringup import bring_up, idle_and_alive, prepare, record_started, take_over
+from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
+from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
 from .px import ClusterError, PxCells, wait_for
 
 START_TIMEOUT_S = 120.0
-# The controller finishes an engine's registration at its first heartbeat: ipyparallel's default 3 s
-# period made every start wait up to 3 s for nothing (measured: a 4-rank start 17.8 s -> 13.8 s). The
-# controller drops an engine after 30 missed beats, the same 30 s of slack the default gave.
-HEARTBEAT_MS, HEARTBEAT_MISSES = 1000, 30
-CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
-                   f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 
 
 def default_engine_count(gpus: int) -> int:
@@ -78,47 +71,6 @@ def controller_address(controller_ip: str | None, launcher: EngineLauncher) -> s
                          "SHARDLAB_CONTROLLER_IP='*'; or this node's address) so they can reach the controller. "
                          "CurveZMQ still encrypts the traffic.")
     return address
-
-
-def check_engine_ids(ids: list[int], ranks: list[int]) -> None:
-    """Refuse engines whose ids are not their launcher ranks: ``%%px`` labels would be misleading."""
-    if ranks != list(ids):
-        raise ClusterError(f"engine ids {list(ids)} do not match launcher ranks {ranks}: %%px labels would be "
-                           "misleading. Every engine should have asked for its rank as its id.")
-
-
-def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: float,
-                     reset: dict[str, str] | None = None) -> list[dict]:
-    """On every engine of ``view``: check that its id is its launcher rank, then initialise DistributedManager
-    with rank 0 on loopback at a free port; every rank's state, in rank order. ``reset``: the engines are a parked
-    cluster's, reset first (``warm.reset_rank``) with this environment of the claiming kernel."""
-    infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
-    check_engine_ids(ids, [info.rank for info in infos])
-    cores = usable_cores()
-    threads = max(1, cores // len(ids))  # ranks sharing a machine's cores
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
-              else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
-    # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow: a start that
-    # runs out of time there is a slow start, not a collective some rank never joined.
-    slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
-            "this oversubscribed can outlast the wait. Start fewer ranks, or pass a longer start_timeout_s."
-            if len(ids) > cores else None)
-    states = wait_for(result, ids, max(start_timeout_s, timeout_s + 60), "initialise DistributedManager", slow)
-    return sorted(states, key=lambda state: state["rank"])
-
-
-def record_started(record: procs.Record, launcher: EngineLauncher, cluster, states: list[dict]) -> None:
-    """Add to ``record`` what a cluster started on this node (the launcher's processes and their children, the
-    controller's, engines that Slurm started here) and its Slurm jobs, and save it: a later start cleans up after
-    a crashed kernel from it."""
-    here = os.uname().nodename
-    controller = getattr(getattr(cluster, "controller", None), "process", None)
-    pids = [*launcher.processes(), *(procs.process_tree(controller.pid) if controller else [])]
-    pids += [p for state in states if state.get("hostname") == here for p in procs.process_tree(state["pid"])]
-    record.processes = sorted(set(map(tuple, record.processes)) | set(pids))
-    record.jobs = sorted(set(record.jobs) | set(launcher.jobs()))
-    record.save()
 
 
 def process_roles(states: list[dict], controller) -> dict[int, str]:
@@ -190,76 +142,40 @@ class MPICluster:
             if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
                 return self
             warm.evict_own(self.pool, self.shape)
-        pooled = {} if self.pool is None else self.pool.marked_environment()  # its processes outlive this kernel
-        profile_dir = procs.make_profile_dir(self.cluster_id, self.shared_dir or (self.pool and self.pool.folder))
-        Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
-        self._record = procs.Record.for_this_kernel(self.cluster_id, profile_dir, self.job_name,
-                                                    str(self.pool.folder) if self.pool else "")
-        self._record.save()  # before anything starts: a crash from here on is cleaned up by the next start
-        options = self.engine_launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
-        options["environment"] |= pooled
-        self._cluster = ipp.Cluster(
-            engines=self.engine_launcher.engine_set_class, n=self.n, cluster_id=self.cluster_id,
-            profile_dir=profile_dir, controller_ip=self.controller_ip, controller_args=CONTROLLER_ARGS, log_level=40)
-        controller_env = {"IPP_ENABLE_CURVE": "1"} | procs.marked_environment() | pooled
-        self._cluster.config.LocalControllerLauncher.environment = controller_env
+        self._cluster, self._record, options = prepare(self.cluster_id, self.job_name, self.engine_launcher, self.n,
+                                                       self.controller_ip, self.shared_dir, self.pool)
         if note := self.engine_launcher.note():
             print(note)
         t0 = time.perf_counter()
         atexit.register(self.stop)
         try:
-            self._cluster.start_controller_sync()
-            self._cluster.start_engines_sync(n=self.n, **options)
-            self.engine_launcher.started(self._cluster.engines.values())
-            record_started(self._record, self.engine_launcher, self._cluster, self.states)
-            self.client = self._cluster.connect_client_sync()
-            self.engine_launcher.wait_for_engines(self.client, self.start_timeout_s)
-            record_started(self._record, self.engine_launcher, self._cluster, self.states)
-            self.timings["engines registered"] = time.perf_counter() - t0
-            view = self.client[:]
-            view.block = True
-            self.states = initialise_ranks(view, list(self.client.ids), self.timeout_s, self.start_timeout_s)
-            record_started(self._record, self.engine_launcher, self._cluster, self.states)
+            up = bring_up(self._cluster, self.engine_launcher, self._record, self.n, options, self.timeout_s,
+                          self.start_timeout_s)
+            self.client, self.view, self.states, self.timings = up
         except BaseException:
             self.stop()
             raise
         self.start_seconds = time.perf_counter() - t0
-        self.timings["DistributedManager ready"] = self.start_seconds - self.timings["engines registered"]
-        self.view = view
         return self
 
     def _attach(self, record: procs.Record) -> bool:
-        """Take over a claimed parked cluster and reset its ranks; False (and the cluster stopped) if it did not
+        """Take over a claimed parked cluster (``bringup.take_over``); False (and the cluster stopped) if it did not
         come back well, so that a fresh start follows."""
         t0 = time.perf_counter()
         self.cluster_id, self._record = record.cluster_id, record
         try:
-            # Only to connect and to be stopped: ipyparallel 9.2's Cluster.from_file cannot load back the engine
-            # launcher class it saved ("module:Class"), and the record lists every process to stop anyway.
-            self._cluster = ipp.Cluster(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
-                                        shutdown_atexit=False)
-            self.client = ipp.Client(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
-                                     timeout=warm.RESET_TIMEOUT_S)
-            self.client.wait_for_engines(self.n, timeout=warm.RESET_TIMEOUT_S, interactive=False)
-            self.timings["engines registered"] = time.perf_counter() - t0
-            view = self.client[:]
-            view.block = True
-            ids = list(self.client.ids)
-            wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
-            self.states = initialise_ranks(view, ids, self.timeout_s, warm.RESET_TIMEOUT_S,
-                                           reset=warm.kernel_environment())
+            self._cluster, self.client, view, self.states, self.timings = take_over(record, self.n, self.timeout_s)
         except Exception as error:  # whatever went wrong, new ranks are the answer
             print(f"The parked cluster {record.cluster_id} did not come back ({type(error).__name__}: "
                   f"{str(error)[:200]}): starting new ranks.")
-            self._cluster = self._cluster or ipp.Cluster(shutdown_atexit=False)  # so that _shut_down stops it all
+            # Only so that _shut_down runs: it stops every process the record lists.
+            self._cluster = ipp.Cluster(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
+                                        shutdown_atexit=False)
             self._shut_down()
-            self.cluster_id = f"shardlab-{uuid.uuid4().hex[:8]}"
-            self.timings = {}
+            self.cluster_id, self.timings = f"shardlab-{uuid.uuid4().hex[:8]}", {}
             return False
         atexit.register(self.stop)
-        self.attached, self.view = True, view
-        self.start_seconds = time.perf_counter() - t0
-        self.timings["DistributedManager ready"] = self.start_seconds - self.timings["engines registered"]
+        self.attached, self.view, self.start_seconds = True, view, time.perf_counter() - t0
         return True
 
     def wait(self, async_result, timeout_s: float, what: str, view=None):
@@ -320,12 +236,7 @@ class MPICluster:
 
     def _park(self) -> bool:
         """Hand the cluster to the pool if every rank is alive and idle (else False: it is stopped instead)."""
-        try:
-            # Cells block until every rank answered: only one given up on (cell_timeout_s) is still outstanding.
-            idle = sorted(self.client.ids) == list(range(self.n)) and not self.client.outstanding
-        except Exception:  # a cluster that cannot say is not worth keeping
-            return False
-        if not idle or not all(psutil.pid_exists(state["pid"]) for state in self.states):
+        if not idle_and_alive(self.client, self.n, self.states):
             return False
         cluster, self._cluster = self._cluster, None
         cluster.shutdown_atexit = False  # ipyparallel would stop it when this kernel exits
