@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
     parser.add_argument("--measure-peaks", action="store_true",
                         help="measure the step peak of the planner's peak configurations (2-D, 3-D, DDP, FSDP2, "
-                             "levers) on --ranks ranks: predicted vs the allocator's, per configuration")
+                             "levers) on --ranks ranks: predicted vs the allocator's, per configuration; with "
+                             "--measure, both in one job")
     parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
     parser.add_argument("--ranks", type=int, default=4, help="with --measure: ranks to start")
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -113,6 +114,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def cases_named(measurement: dict, names: set[str]) -> dict:
+    """``measurement`` with only the cases of these names (one job can measure the series' cases and the peaks)."""
+    return measurement | {"cases": [case for case in measurement["cases"] if case["name"] in names]}
+
+
 def _print_comparison(measurement: dict) -> None:
     rows = comparison_table(measurement)
     print(f"# planner vs measured, {measurement['world_size']} rank(s), backend {measurement['backend']}, "
@@ -133,10 +139,15 @@ def _print_peaks(measurement: dict) -> None:
 def _measure_main(args) -> int:
     cases = json.loads(Path(args.cases).read_text()) if args.cases else None
     if args.measure_peaks and cases is None:
-        cases = peak_cases(args.ranks)
+        cases = peak_cases(args.ranks) + (series_cases(args.ranks) if args.measure else [])
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
         measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800).result
-        (_print_peaks if args.measure_peaks else _print_comparison)(measurement)
+        if args.measure and args.measure_peaks and not args.cases:  # one job, both tables
+            peaks = {case["name"] for case in peak_cases(args.ranks)}
+            _print_peaks(cases_named(measurement, peaks))
+            _print_comparison(cases_named(measurement, {case["name"] for case in measurement["cases"]} - peaks))
+        else:
+            (_print_peaks if args.measure_peaks else _print_comparison)(measurement)
         if args.json:
             Path(args.json).write_text(json.dumps(measurement, indent=1))
         return 0
