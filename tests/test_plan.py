@@ -355,9 +355,7 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout, f"\n{time.perf_counter() - t0:.0f} s for the job (wall clock, this machine)")
     measurement = json.loads(out.read_text())
-    peak_names = {c["name"] for c in plan.peak_cases(4)}
-    series = plan.cli.cases_named(measurement, {c["name"] for c in measurement["cases"]} - peak_names)
-    peaks = plan.cli.cases_named(measurement, peak_names)
+    series, peaks = plan.cli.series_and_peaks(measurement, 4)
     assert "step peak per rank, planner vs allocator" in proc.stdout and "planner vs measured" in proc.stdout
 
     names = {c["name"] for c in series["cases"]}
@@ -373,7 +371,7 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
     assert all(r["categories off"] == "-" for r in rows), [r for r in rows if r["categories off"] != "-"]
 
     cases = peaks["cases"]
-    assert len(cases) == len(peak_names) >= 8
+    assert len(cases) == len(plan.peak_cases(4)) >= 8
     assert {len(c["field"]) for c in cases} == {4, 5} and {c["domain"] for c in cases} == {1, 2, 4}
     assert {c["wrapper"] for c in cases} == {"none", "ddp", "fsdp2"}
     levers = [plan.live.case_levers(c) for c in cases]

@@ -114,9 +114,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def cases_named(measurement: dict, names: set[str]) -> dict:
-    """``measurement`` with only the cases of these names (one job can measure the series' cases and the peaks)."""
-    return measurement | {"cases": [case for case in measurement["cases"] if case["name"] in names]}
+def series_and_peaks(measurement: dict, ranks: int) -> tuple[dict, dict]:
+    """A measurement of both sets (``--measure --measure-peaks``) as two: the series' cases, the peak configurations."""
+    names = {case["name"] for case in peak_cases(ranks)}
+    series = [case for case in measurement["cases"] if case["name"] not in names]
+    peaks = [case for case in measurement["cases"] if case["name"] in names]
+    return measurement | {"cases": series}, measurement | {"cases": peaks}
 
 
 def _print_comparison(measurement: dict) -> None:
@@ -143,9 +146,9 @@ def _measure_main(args) -> int:
     if detect_launch().launcher == "none":  # not under a launcher: start the ranks, then compare here
         measurement = measure_on_ranks(args.ranks, cases, timeout_s=1800).result
         if args.measure and args.measure_peaks and not args.cases:  # one job, both tables
-            peaks = {case["name"] for case in peak_cases(args.ranks)}
-            _print_peaks(cases_named(measurement, peaks))
-            _print_comparison(cases_named(measurement, {case["name"] for case in measurement["cases"]} - peaks))
+            series, peaks = series_and_peaks(measurement, args.ranks)
+            _print_peaks(peaks)
+            _print_comparison(series)
         else:
             (_print_peaks if args.measure_peaks else _print_comparison)(measurement)
         if args.json:
