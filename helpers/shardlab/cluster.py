@@ -131,6 +131,9 @@ class MPICluster:
     profile_dir = property(lambda self: self._record.profile_dir if self._record else None,
                            doc="This start's profile folder (connection files, engine config, logs).")
 
+    threads = property(lambda self: min(s["threads"] for s in self.states) if self.states else None,
+                       doc="Intra-op threads per rank (the cores ranks share, divided): what the planner measures "
+                           "CPU kernels with.")
     shape = property(lambda self: warm.shape_of(self.n, self.device, self.engines, self.mpi, self.controller_ip,
                                                 self.shared_dir), doc="What a parked cluster must match to be claimed.")
 

@@ -284,6 +284,7 @@ class DistributedState:
     hostname: str
     pid: int
     phases: dict = field(default_factory=dict)  # seconds spent in each step of this call
+    threads: int = 1  # intra-op threads (torch.get_num_threads): what CPU kernels' speed and scratch depend on
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -362,6 +363,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         launcher=info.launcher, method=method, rank=manager.rank, local_rank=info.local_rank,
         world_size=manager.world_size, device=str(manager.device), backend=backend,
         timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(), phases=phases,
+        threads=torch.get_num_threads(),
     )
 
 

@@ -35,7 +35,8 @@ is in ``LEFT_OUT``, with typical sizes and sources; the verdict adds those as he
 forward with FSDP2's forward buffers, the replayed backward with FSDP2's backward buffers (the unit in hand and the
 one it prefetches, or every unit still gathered without ``reshard_after_forward``, and the reduce-scatter input of
 the largest unit) and the optimizer step. Planned for CPU ranks, it adds what CPU convolutions hold inside the
-kernel (``trace.cpu_workspace``: im2col columns on torch's slow path, oneDNN's blocked copies). ``python -m
+kernel (im2col columns on torch's slow path, oneDNN's blocked copies), which differs from CPU to CPU: ``workspace``
+runs each kernel on this CPU, at a smaller size when it is large, and extrapolates. ``python -m
 shardlab.plan --measure-peaks`` and ``tests/test_plan.py`` check it on 4 CPU ranks against the allocator's own peak
 (``sl.measure.AllocatorPeak``, torch.profiler's memory events), ``make gpu-check`` against ``max_memory_allocated``.
 
@@ -46,7 +47,8 @@ autocast lowers and caching each weight's copy; FSDP2's ``param_dtype`` makes th
 unsharded gradients that dtype (the input cast at the root), while the shards, their gradients and the optimizer
 state stay in the planned dtype.
 
-Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``records`` (what a
+Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``workspace`` (what
+this CPU's convolution kernels hold, measured), ``records`` (what a
 plan says: ``RankBytes``, ``Plan``, the headroom), ``planner`` (the planner and its verdict), ``search`` (the domain
 sizes that work, and the smallest that fits), ``live`` (measured on ranks, compared), ``cli`` (``python -m
 shardlab.plan``).

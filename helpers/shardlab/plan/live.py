@@ -251,8 +251,9 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
             "threads": torch.get_num_threads(), "cases": results}
 
 
-def predict_case(case: dict, device: str = "cuda") -> Plan:
-    """The planner's prediction for one of ``series_cases`` (or any case of that form), for ``device``'s kernels."""
+def predict_case(case: dict, device: str = "cuda", threads: int | None = None) -> Plan:
+    """The planner's prediction for one of ``series_cases`` (or any case of that form), for ``device``'s kernels
+    (CPU: this CPU's, with ``threads`` intra-op threads, as the ranks ran)."""
     from .inputs import conv_model
 
     field_shape = case["field"] or [1, 1, 64, 64]  # the Darcy fields of data/
@@ -260,7 +261,7 @@ def predict_case(case: dict, device: str = "cuda") -> Plan:
     model = conv_model(len(field_shape) - 2, width=kwargs["width"], depth=kwargs["layers"],
                        kernel_size=kwargs["kernel_size"])
     return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"], device=device,
-                levers=case_levers(case))
+                levers=case_levers(case), threads=threads)
 
 
 def comparison_table(measurement: dict) -> list[dict]:
@@ -269,7 +270,8 @@ def comparison_table(measurement: dict) -> list[dict]:
     for case in measurement["cases"]:
         measured = [RankBytes.from_dict(r) for r in case["ranks"]]
         device = "cpu" if str(measurement["device"]).startswith("cpu") else "cuda"  # CPU-only: as the ranks reported it
-        rows += [{"case": case["name"]} | row for row in compare(predict_case(case, device), measured)]
+        predicted = predict_case(case, device, measurement.get("threads"))
+        rows += [{"case": case["name"]} | row for row in compare(predicted, measured)]
     return rows
 
 

@@ -20,13 +20,13 @@ from .trace import (
     Trace,
     blocks,
     conv_halo,
-    cpu_workspace,
     fsdp_shards,
     local_slices,
     nbytes,
     optimizer_state,
     trace_rank,
 )
+from .workspace import CPUWorkspace
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Planner(DomainSearch):
     are cached per distinct rank shape and lever set. The domain sizes are searched in ``DomainSearch``."""
 
     def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
-                 name: str | None = None, device: str = "cuda"):
+                 name: str | None = None, device: str = "cuda", threads: int | None = None):
         if isinstance(dtype, str):
             dtype = DTYPES[dtype]
         if optimizer not in OPTIMIZERS:
@@ -60,7 +60,9 @@ class Planner(DomainSearch):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device={device!r}: plan for 'cuda' (the GPUs it is for) or 'cpu' (CPU ranks, with the "
                              "CPU convolutions' workspaces).")
-        self.workspace = cpu_workspace if device == "cpu" else None  # on GPUs: in the verdict's 10 % headroom
+        # CPU ranks: what this CPU's convolution kernels hold, measured with the ranks' ``threads``; on GPUs the
+        # cuDNN workspaces are in the verdict's 10 % headroom.
+        self.workspace = CPUWorkspace(threads) if device == "cpu" else None
         self.name = name or type(model).__name__
         if any(p.device.type != "meta" for p in model.parameters()):
             model = copy.deepcopy(model).to("meta")
@@ -240,6 +242,8 @@ class Planner(DomainSearch):
             notes.append(f"{BUFFERS[wrapper]}: FSDP2 holds two units' all-gathered parameters at once (it prefetches "
                          "the next unit in backward, and overlaps each copy-out with the previous all-gather in "
                          "forward)")
+        if self.workspace is not None:
+            notes.append(f"CPU kernels: {self.workspace.summary()}")
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
                     self.optimizer, self.name, time.perf_counter() - t0, notes, levers)
 
@@ -258,12 +262,14 @@ class Planner(DomainSearch):
 
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
-         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = NO_LEVERS) -> Plan:
+         dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = NO_LEVERS,
+         threads: int | None = None) -> Plan:
     """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
     field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
     ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas, ``optimizer`` and ``levers`` (``sl.train.Levers``),
-    for ``device``'s kernels."""
-    return Planner(model, field_shape, dtype, optimizer, shard_dim, device=device).plan(ddp, domain, wrapper, levers)
+    for ``device``'s kernels (CPU: as this CPU runs them with ``threads`` intra-op threads per rank)."""
+    planner = Planner(model, field_shape, dtype, optimizer, shard_dim, device=device, threads=threads)
+    return planner.plan(ddp, domain, wrapper, levers)
 
 
 @dataclass

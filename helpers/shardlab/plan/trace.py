@@ -7,7 +7,6 @@ with the scatter, the sharded convolutions and the byte counters plugged in thro
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -36,57 +35,6 @@ def nbytes(t: torch.Tensor) -> int:
 def blocks(n: int) -> int:
     """Bytes the CUDA caching allocator counts for an allocation of n bytes."""
     return -(-n // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
-
-
-def _channels_up_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _slow_path(inp, weight, groups: int) -> bool:
-    """Whether torch runs a CPU convolution without oneDNN (``use_mkldnn`` in aten/src/ATen/native/Convolution.cpp):
-    every Conv3d here, and an fp32 Conv2d unless it has groups, a kernel larger than 3 on both sides, a batch above
-    1 or an input of more than 20480 elements (bf16 always goes to oneDNN)."""
-    if inp.dim() == 5:
-        return True
-    if inp.dtype != torch.float32:
-        return False
-    return not (groups > 1 or min(weight.shape[2:]) > 3 or inp.shape[0] > 1 or inp.numel() > 20480)
-
-
-def cpu_workspace(func, args) -> int:
-    """Bytes a CPU convolution holds inside the kernel, which no tensor shows (torch 2.14 on x86, one intra-op
-    thread as the ranks run; measured with torch.profiler's memory events and fitted, not read in oneDNN's source):
-
-    - on the slow path (``_slow_path``) the forward and the backward each unfold the input into im2col / vol2col
-      columns: input channels × kernel size × output positions;
-    - otherwise oneDNN's backward copies tensors into blocked layouts: in fp32 the input (channels up to a multiple
-      of 8) and the incoming gradient (up to 16); in bf16 it computes in fp32: the incoming gradient (up to 16
-      channels) in fp32, and the input in fp32 when it has 16 channels or more. The bf16 scratch grows by about one
-      such copy per extra intra-op thread: not modelled (ranks sharing a machine run one thread each).
-
-    GPUs keep cuDNN workspaces instead, inside the verdict's 10 % headroom."""
-    if func is torch.ops.aten.convolution.default:
-        inp, weight, groups = args[0], args[1], args[8]
-        if not _slow_path(inp, weight, groups):
-            return 0
-        positions = math.prod(_conv_output_shape(inp, weight, args[3], args[4], args[5]))
-        return inp.shape[0] * inp.shape[1] // groups * math.prod(weight.shape[2:]) * positions * inp.element_size()
-    if func is not torch.ops.aten.convolution_backward.default:
-        return 0
-    grad_out, inp, weight = args[:3]
-    positions = math.prod(grad_out.shape[2:]) * grad_out.shape[0]
-    if _slow_path(inp, weight, args[9]):
-        return inp.shape[1] // args[9] * math.prod(weight.shape[2:]) * positions * inp.element_size()
-    fp32 = torch.empty((), dtype=torch.float32).element_size()
-    grad_blocked = _channels_up_to(grad_out.shape[1], 16) * positions
-    if inp.dtype == torch.float32:
-        return (_channels_up_to(inp.shape[1], 8) * math.prod(inp.shape[2:]) * inp.shape[0] + grad_blocked) * fp32
-    return (grad_blocked + (inp.numel() if inp.shape[1] >= 16 else 0)) * fp32
-
-
-def _conv_output_shape(inp, weight, stride, padding, dilation) -> list[int]:
-    return [(size + 2 * pad - dil * (k - 1) - 1) // st + 1
-            for size, k, st, pad, dil in zip(inp.shape[2:], weight.shape[2:], stride, padding, dilation)]
 
 
 class LiveBytes(TorchDispatchMode):
