@@ -7,6 +7,8 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -48,24 +50,41 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class DevicePeak:
-    """The CUDA caching allocator's peak on this rank's GPU inside ``with``: allocated and reserved bytes.
+def release_memory(device) -> None:
+    """Free what earlier work left behind before a measurement starts: ``gc.collect()``, and on a GPU
+    ``torch.cuda.empty_cache()``. One case's garbage then neither counts in the next one's starting bytes nor is
+    freed in the middle of its window, and each case starts from an empty cache."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
-    On a GPU it resets the peak counters on entry and reads them on exit (``measured`` is True).
-    On a CPU rank there is no allocator to read: ``measured`` is False and the byte counts of
-    ``SavedActivations`` and ``state_bytes`` are what a GPU figure is later checked against.
+
+class DevicePeak:
+    """The CUDA caching allocator's peak on this rank's GPU inside ``with``, counted as ``AllocatorPeak`` counts it
+    on a CPU rank: ``peak`` is the most bytes allocated at once inside the block minus what was allocated on entry,
+    plus ``held_at_start``, the bytes the caller knows were allocated before and belong to the work (for example the
+    model's parameters). Tensors left from earlier cells were allocated on entry, so they are not counted.
+
+    On a GPU it frees what earlier work left (``release_memory``), reads ``memory_allocated`` and resets the peak
+    counters on entry, and reads them on exit (``measured`` is True). ``peak_above_start`` is what the block itself
+    added; ``peak_allocated`` and ``peak_reserved`` are the process's own ``max_memory_allocated`` and
+    ``max_memory_reserved`` over the block, earlier cells' tensors included. On a CPU rank there is no allocator to
+    read: ``measured`` is False and the byte counts of ``SavedActivations`` and ``state_bytes`` are what a GPU figure
+    is later checked against.
     """
 
-    def __init__(self, device):
+    def __init__(self, device, held_at_start: int = 0):
         self.device = torch.device(device)
+        self.held_at_start = held_at_start
         self.measured = self.device.type == "cuda"
         self.start_allocated = self.peak_allocated = self.peak_reserved = 0
 
     def __enter__(self):
         if self.measured:
+            release_memory(self.device)
             synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
             self.start_allocated = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc):
@@ -79,57 +98,94 @@ class DevicePeak:
         """Bytes allocated at the peak beyond what was allocated on entry: what the region itself needed."""
         return self.peak_allocated - self.start_allocated
 
+    @property
+    def peak(self) -> int | None:
+        """``peak_above_start`` plus ``held_at_start``: the quantity ``AllocatorPeak`` reports (None on CPU)."""
+        return self.peak_above_start + self.held_at_start if self.measured else None
+
     def as_row(self) -> dict:
         return {"measured": self.measured, "peak allocated": self.peak_allocated,
-                "peak above start": self.peak_above_start, "peak reserved": self.peak_reserved}
+                "peak above start": self.peak_above_start, "peak": self.peak, "peak reserved": self.peak_reserved}
 
 
 class AllocatorPeak:
     """The allocator's peak bytes on this rank over a ``window()`` inside ``with``: what a training step really held
-    at its most, taken from the allocator alone (no byte model).
+    at its most, taken from the allocator alone (no byte model). The same quantity on both devices: the most bytes
+    live at once during the window, counting from the start of ``with``, plus what was allocated before it and
+    belongs to the work: ``held_at_start`` bytes, or the tensors ``held`` (e.g. the model's parameters), whose frees
+    inside ``with`` are then subtracted (FSDP2 frees the full parameters it shards). What else the process held on
+    entry (tensors of earlier cells or cases) does not count. Both start with ``release_memory``.
 
-    On a GPU: ``torch.cuda.max_memory_allocated`` over the window (``DevicePeak``). On a CPU rank: torch.profiler's
-    memory events (every allocation and free the CPU allocator makes, kernels' own buffers included), summed in time
-    order from the start of ``with``, plus ``held_at_start``, the bytes the caller knows were allocated before it
-    (e.g. the model's parameters), since the profiler sees only what happens inside. ``peak`` is None until the
-    window has closed."""
+    On a GPU: ``torch.cuda.max_memory_allocated`` over the window (its counters reset as the window opens) minus
+    ``memory_allocated`` at the start of ``with``. On a CPU rank: torch.profiler's memory events (every allocation and
+    free the CPU allocator makes, kernels' own buffers included), summed in time order from the start of ``with``;
+    the profiler does not see the free of a block allocated before it started, so each ``held`` storage's free is
+    marked in the profile when it happens (``weakref.finalize``). ``peak`` is None until the window has closed."""
 
     WINDOW = "shardlab: measured window"
+    FREED = "shardlab: held storage freed, bytes="
 
-    def __init__(self, device, held_at_start: int = 0):
+    def __init__(self, device, held_at_start: int = 0, held=()):
         self.device = torch.device(device)
         self.held_at_start = held_at_start
         self.peak: int | None = None
         self._profile = None
+        self._start = 0
+        self._held = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}
+        self.held_at_start += sum(storage.nbytes() for storage in self._held.values())
+        self._watching: list = []
+
+    def _freed(self, nbytes: int) -> None:
+        with torch.profiler.record_function(f"{self.FREED}{nbytes}"):
+            pass
 
     def __enter__(self):
-        if self.device.type == "cpu":
+        release_memory(self.device)
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif self.device.type == "cpu":
             from torch.profiler import ProfilerActivity, profile
 
             self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profile.__enter__()
+            self._watching = [weakref.finalize(storage, self._freed, storage.nbytes())
+                              for storage in self._held.values()]
+        self._held.clear()  # only weak references to the storages are left here: the work may free them
         return self
 
     @contextlib.contextmanager
     def window(self):
-        if self._profile is None:
-            with DevicePeak(self.device) as peak:
+        if self._profile is not None:
+            with torch.profiler.record_function(self.WINDOW):
                 yield
-            self.peak = peak.peak_allocated
             return
-        with torch.profiler.record_function(self.WINDOW):
+        if self.device.type != "cuda":  # no allocator this class reads: no peak
             yield
+            return
+        synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device) - self._start + self.held_at_start
 
     def __exit__(self, *exc):
         if self._profile is None:
             return
+        for watch in self._watching:
+            watch.detach()
         self._profile.__exit__(*exc)
+        if exc[0] is not None:  # the work failed: its error, not a missing window, is what the caller sees
+            return
         events = list(self._profile.profiler.kineto_results.events())
         start, end = next((e.start_ns(), e.end_ns()) for e in events if e.name() == self.WINDOW)
+        changes = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+        changes += [(e.start_ns(), -int(e.name().removeprefix(self.FREED))) for e in events
+                    if e.name().startswith(self.FREED)]
         live, peak = self.held_at_start, None
-        for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-            live += event.nbytes()
-            if start <= event.start_ns() <= end:
+        for at, nbytes in sorted(changes, key=lambda change: change[0]):
+            live += nbytes
+            if start <= at <= end:
                 peak = max(live, peak or live)
         self.peak = peak
 

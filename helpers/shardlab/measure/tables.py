@@ -78,7 +78,8 @@ def state_memory_table(args) -> dict:
                 run = train(conv_stack(width=args.width, layers=args.layers, seed=0).to(state.device), mesh, how,
                             steps=2)
             mine[how] = sum(state_bytes(run.model, run.optimizer).values())
-            mine[f"{how} peak"] = peak.peak_above_start if peak.measured else None
+            mine[f"{how} peak"] = peak.peak_above_start if peak.measured else None  # the model is built inside
+            del run  # the next case's DevicePeak starts by freeing what this one left (release_memory)
         everyone = _gather_rows(mine)
         ddp_bytes, fsdp_bytes = (max(r[k] for r in everyone) for k in ("ddp", "fsdp2"))
         rows.append({"ddp_size": ddp, "DDP_bytes_max_rank": ddp_bytes, "FSDP2_bytes_max_rank": fsdp_bytes,
@@ -116,8 +117,10 @@ def compile_speed_table(args) -> dict:
         eager.append(step(model))
         comp.append(step(compiled))
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    output = model(x)  # with autograd on, as timed: under no_grad the compiled graph would be compiled again
+    diff = ((compiled(x) - output).norm() / output.norm()).item()
     rows = [{"eager_step_s": med(eager), "compiled_step_s": med(comp), "compiled/eager": med(comp) / med(eager),
-             "first_call_s": compile_s, "repeats": args.repeats}]
+             "first_call_s": compile_s, "repeats": args.repeats, "compiled_relative_diff": diff}]
     return {"title": f"compile speed, one process, conv_stack(width={args.width}, layers={args.layers}) on 1x1x64x64, "
                      "forward+backward, median of interleaved repeats"
                      + ("" if device.type == "cuda" else "; CPU timing, not a GPU claim"),

@@ -4,7 +4,6 @@ GPU: also the allocator's peak), and the series' own cases predicted against mea
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import tempfile
 import weakref
@@ -20,7 +19,7 @@ from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
 from .inputs import DTYPES, fmt_bytes
 from .planner import plan
-from .records import ACCOUNTED, Plan, RankBytes
+from .records import ACCOUNTED, CUDNN_PINNED, Plan, RankBytes
 from .trace import nbytes
 
 # PhysicsNeMo and the measure layer are imported inside the functions that measure on ranks: planning runs in the
@@ -79,6 +78,21 @@ class _GatheredParameters(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def pinned_cudnn():
+    """Inside ``with``: cuDNN's convolution engines chosen as ``records.CUDNN_PINNED`` says (benchmark off,
+    deterministic engines only), each setting restored on exit. The flags exist without a GPU (no effect on CPU)."""
+    cudnn = torch.backends.cudnn
+    saved = {name: getattr(cudnn, name) for name in CUDNN_PINNED}
+    try:
+        for name, value in CUDNN_PINNED.items():
+            setattr(cudnn, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cudnn, name, value)
+
+
 def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = NO_LEVERS
                  ) -> RankBytes:
     """On every rank together: one training step of ``sl.train.Trainer`` with ``levers`` (after a warm-up step, so
@@ -89,17 +103,28 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, le
     broadcast handles), the forward (``SavedActivations``, also excluding the parameters FSDP2 gathers for each
     layer), the backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
     ``peak`` is the allocator's peak over the measured step, taken apart from all that (``sl.measure.AllocatorPeak``:
-    ``max_memory_allocated`` on a GPU, torch.profiler's memory events on a CPU rank, counted from before the model
-    is wrapped).
+    ``max_memory_allocated`` on a GPU, torch.profiler's memory events on a CPU rank, both counted from before the
+    model is wrapped, plus the model's parameters and buffers less what the step frees of them, as FSDP2 frees the
+    full parameters it shards: what earlier cells or cases left is not counted).
+    Everything runs with cuDNN pinned (``pinned_cudnn``): on a GPU each convolution's workspace is inside
+    ``max_memory_allocated`` but not in the plan (``records.LEFT_OUT``), and pinned it is the heuristics' engine's
+    alone, the same on every run, with no benchmarking workspace on a shape's first call.
     """
+    with pinned_cudnn():
+        return _measure_rank(model, mesh, wrapper, samples, shard_dim, levers)
+
+
+def _measure_rank(model, mesh, wrapper, samples, shard_dim, levers) -> RankBytes:
     import torch.distributed as dist
 
-    from ..measure import AllocatorPeak, SavedActivations, local_bytes, state_bytes
+    from ..measure import AllocatorPeak, SavedActivations, state_bytes
     from ..train import Trainer, fsdp_units, normalized_darcy
 
     samples = normalized_darcy() if samples is None else samples  # host data: loaded before the peak is counted
-    held = sum(local_bytes(t) for t in [*model.parameters(), *model.buffers()])
-    with AllocatorPeak(next(model.parameters()).device, held_at_start=held) as allocator:
+    # The model's storages: bytes held from the start, whose frees (FSDP2 frees the full parameters it shards) count.
+    held = [*model.parameters(), *model.buffers()]
+    with AllocatorPeak(next(model.parameters()).device, held=held) as allocator:
+        del held
         trainer = Trainer(model, mesh, wrapper, samples=samples, levers=levers)
         trainer.step()
         saved = SavedActivations(exclude=trainer.model.parameters())
@@ -176,25 +201,34 @@ def peak_cases(world: int = 4, scale: int = 1) -> list[dict]:
     """The configurations the planner's step peak is checked on, against the allocator's peak measured on ``world``
     ranks: 2-D and 3-D fields, even and uneven shards, DDP, FSDP2 and none, checkpointing, bf16 (autocast and
     FSDP2's param_dtype), reshard_after_forward False, domain 1, 2 and 4 where they divide ``world`` (ddp = the rest).
-    Spatial sizes are multiplied by ``scale`` (1: a few seconds on CPU ranks; ``make gpu-check`` takes larger ones).
-    Two are state-heavy (width 64 on a small field), so FSDP2's gathered units and gradients weigh in the peak."""
+
+    Two are state-heavy (width 64 on a 32 x 32 field), so FSDP2's gathered units and gradients weigh in the peak; the
+    others are activation-heavy, and only their spatial sizes are multiplied by ``scale`` (1: a few seconds on CPU
+    ranks; ``make gpu-check`` takes 16: a 1024 x 1024 field and larger). Scaled, a state-heavy field's activations
+    would bury its state (at 16: 257 MiB of activations beside 303 KiB of state), so those keep their field and
+    widen instead, up to 4 times (256 channels: a peak of some 16 MiB, in which a GPU's fixed costs, a cuDNN
+    workspace and 512-byte blocks, stay small)."""
     bf16 = "bfloat16"
-    table = [  # name, domain, wrapper, width, spatial, levers
-        ("2-D even", 4, "ddp", 16, (64, 64), {}),
-        ("2-D uneven, checkpoint", 4, "ddp", 16, (66, 64), {"checkpoint": True}),
-        ("2-D", 2, "fsdp2", 16, (96, 64), {}),
-        ("2-D, checkpoint + param_dtype bf16", 2, "fsdp2", 16, (96, 64), {"checkpoint": True, "param_dtype": bf16}),
-        ("2-D, autocast bf16", 2, "ddp", 16, (96, 64), {"autocast": bf16}),
-        ("2-D uneven, checkpoint + autocast bf16", 4, "none", 16, (130, 64), {"checkpoint": True, "autocast": bf16}),
-        ("2-D state-heavy", 1, "fsdp2", 64, (32, 32), {}),
-        ("2-D state-heavy, no reshard after forward", 1, "fsdp2", 64, (32, 32), {"reshard_after_forward": False}),
-        ("3-D", 2, "fsdp2", 8, (20, 16, 16), {}),
-        ("3-D uneven, checkpoint", 4, "ddp", 8, (18, 12, 12), {"checkpoint": True}),
+    table = [  # name, domain, wrapper, width, spatial, levers, state-heavy (not scaled)
+        ("2-D even", 4, "ddp", 16, (64, 64), {}, False),
+        ("2-D uneven, checkpoint", 4, "ddp", 16, (66, 64), {"checkpoint": True}, False),
+        ("2-D", 2, "fsdp2", 16, (96, 64), {}, False),
+        ("2-D, checkpoint + param_dtype bf16", 2, "fsdp2", 16, (96, 64), {"checkpoint": True, "param_dtype": bf16},
+         False),
+        ("2-D, autocast bf16", 2, "ddp", 16, (96, 64), {"autocast": bf16}, False),
+        ("2-D uneven, checkpoint + autocast bf16", 4, "none", 16, (130, 64), {"checkpoint": True, "autocast": bf16},
+         False),
+        ("2-D state-heavy", 1, "fsdp2", 64, (32, 32), {}, True),
+        ("2-D state-heavy, no reshard after forward", 1, "fsdp2", 64, (32, 32), {"reshard_after_forward": False},
+         True),
+        ("3-D", 2, "fsdp2", 8, (20, 16, 16), {}, False),
+        ("3-D uneven, checkpoint", 4, "ddp", 8, (18, 12, 12), {"checkpoint": True}, False),
     ]
     cases = []
-    for name, domain, wrapper, width, spatial, levers in table:
+    for name, domain, wrapper, width, spatial, levers, state_heavy in table:
         domain = max(n for n in (1, 2, 4) if n <= domain and world % n == 0)
-        field = [1, 1, *(size * scale for size in spatial)]
+        field = [1, 1, *(size * (1 if state_heavy else scale) for size in spatial)]
+        width *= min(scale, 4) if state_heavy else 1
         cases.append({"name": f"{name}, {wrapper} N={domain}", "model": {"width": width, "layers": 3},
                       "domain": domain, "ddp": world // domain, "wrapper": wrapper, "field": field, "levers": levers})
     return cases
@@ -226,8 +260,12 @@ def _case_samples(case: dict, steps: int = 2):
 
 
 def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
-    """On every rank of a launched job: each case measured once (cases with equal models share a run)."""
+    """On every rank of a launched job: each case measured once (cases with equal models share a run), one after
+    another, with what each left freed before the next (``sl.measure.release_memory``) and cuDNN pinned while each
+    runs (``measure_rank``)."""
     import torch.distributed as dist
+
+    from ..measure import release_memory
 
     state = init_distributed(timeout_s)
     results, done = [], {}
@@ -243,9 +281,8 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             done[key] = everyone
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            del model, mesh
+            release_memory(state.device)  # as each measurement also does on entry (AllocatorPeak)
         results.append(case | {"ranks": done[key]})
     return {"world_size": state.world_size, "backend": state.backend, "device": state.device,
             "threads": torch.get_num_threads(), "cases": results}
@@ -300,13 +337,15 @@ def measure_on_ranks(n: int, cases: list[dict] | None = None, timeout_s: float =
 
 
 def gpu_check(gpus: int, timeout_s: float = 300.0, scale: int = 16) -> tuple[str, bool]:
-    """For ``make gpu-check``: the planner's predicted step peak per rank against ``max_memory_allocated`` on real
-    GPUs, within 10 %, for ``peak_cases(gpus, scale)`` (the configurations CPU ranks check against their allocator,
-    ``scale`` times larger: a 1024 x 1024 field at 16)."""
+    """For ``make gpu-check``: the planner's predicted step peak per rank against the allocator's on real GPUs
+    (``max_memory_allocated`` above what was allocated before the step's measurement, plus the model: the quantity CPU
+    ranks read from theirs), within 10 %, for ``peak_cases(gpus, scale)`` (the configurations CPU ranks check against
+    their allocator, the activation-heavy ones ``scale`` times larger: a 1024 x 1024 field at 16), measured with
+    cuDNN pinned (``pinned_cudnn``)."""
     job = measure_on_ranks(gpus, peak_cases(gpus, scale), timeout_s)
     measurement = job.result
-    rows = comparison_table(measurement)
-    if not all(r.get("measured peak") is not None for r in rows) or job.placement.device != "cuda":
+    rows = comparison_table(measurement) if job.placement.device == "cuda" else []
+    if not rows or not all(r.get("measured peak") is not None for r in rows):
         return f"no CUDA peak was measured (on {job.placement.label}, device {measurement['device']})", False
     worst = max(rows, key=lambda r: abs(r["peak error"]))
     cells = [f"{r['case']}: predicted {fmt_bytes(r['predicted peak'])}, max_memory_allocated "

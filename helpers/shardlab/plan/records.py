@@ -15,6 +15,18 @@ ACCOUNTED = ("params", "grads", "optimizer", "activations", "transient", "buffer
 # backward by default, and in forward keeps the previous unit's flat output until the next copy-out.
 BUFFERS = {"none": "buffers", "ddp": "DDP buckets", "fsdp2": "FSDP2 gathered, 2 units"}
 
+# How cuDNN chooses convolution engines where the planner's peak is checked against the allocator's (set, and restored
+# after, by ``plan.live.pinned_cudnn`` around every ``measure_rank``). benchmark=False: the engine cuDNN's heuristics
+# rank first for the shapes, and no find step (which allocates the largest candidate workspace that fits the largest
+# free cached block: a spike that depends on what the cache holds). deterministic=True: no engine cuDNN marks
+# non-deterministic (Conv_v8.cpp's filterEngineConfigs), so results, like bytes, repeat from run to run. enabled=True:
+# cuDNN, not torch's own CUDA convolutions, whose im2col columns are a workspace of the field's size. Not
+# CUDNN_CONV_WSCAP_DBG: torch 2.14 never reads it (not in its sources nor in libtorch_cuda.so; its documentation lists
+# it as cuDNN's own), which of cuDNN 9's paths it caps cannot be read from its libraries, and it is an environment
+# variable of the library, not a setting one case can set and restore.
+CUDNN_PINNED = {"enabled": True, "benchmark": False, "deterministic": True}
+TORCH_SOURCE = "https://github.com/pytorch/pytorch/blob/5c4886908584029761b579af026dcfb627c84070"  # 2.14.1
+
 # What the planner cannot see on the meta device, with what it typically adds on a GPU and where that comes from.
 # ``bytes`` / ``fraction`` is the headroom the verdict keeps for it.
 LEFT_OUT = (
@@ -32,10 +44,21 @@ LEFT_OUT = (
                 "allocator's peak; large blocks round up to 2 MiB and blocks in different segments never merge",
      "source": "https://github.com/pytorch/pytorch/blob/main/test/distributed/_tools/test_fsdp2_mem_tracker.py; "
                "https://github.com/pytorch/devlogs/blob/main/content/eager/2026-06-01-cuda-caching-allocator.md"},
-    {"what": "cuDNN convolution and cuBLAS workspaces", "bytes": 0,
-     "typical": "cuBLAS(Lt): 32 MiB per handle on Hopper, 4 MiB before; cuDNN: algorithm-dependent scratch inside "
-                "the allocator's peak (covered by the 10 % above; `make gpu-check` measures it)",
-     "source": "https://github.com/pytorch/pytorch/pull/120925"},
+    {"what": "cuDNN convolution workspaces", "bytes": 0,
+     "typical": "the workspace of the engine cuDNN's heuristics pick for each convolution's shapes, allocated for "
+                "the call: inside max_memory_allocated when a convolution runs at the step's peak, in the 10 % above "
+                "(the meta device runs no engine). With cudnn.benchmark=True the first call of each shape also "
+                "allocates the largest candidate's workspace that fits the largest free cached block, to time them; "
+                "where the planner's peak is measured (plan.live.measure_rank) cuDNN is pinned to "
+                + ", ".join(f"{k}={v}" for k, v in CUDNN_PINNED.items()) + " and restored after",
+     "source": f"{TORCH_SOURCE}/aten/src/ATen/native/cudnn/Conv_v8.cpp (run_conv_plan; with benchmark: "
+               "generate_and_filter_plans)"},
+    {"what": "cuBLAS workspaces", "bytes": 0,
+     "typical": "one per cuBLAS handle and stream, from the caching allocator at its first matmul, then kept: "
+                "CUBLAS_WORKSPACE_CONFIG, by default :4096:2:16:8 (8.1 MiB), 32 MiB on Hopper; none in the planner's "
+                "peak cases, whose conv stacks call no cuBLAS (convolutions run in cuDNN, Adam in foreach kernels)",
+     "source": f"{TORCH_SOURCE}/aten/src/ATen/cuda/CublasHandlePool.cpp (getChosenWorkspaceSize, "
+               "setWorkspaceForHandle); https://github.com/pytorch/pytorch/pull/120925"},
 )
 
 

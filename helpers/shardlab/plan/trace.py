@@ -39,7 +39,9 @@ def blocks(n: int) -> int:
 
 class LiveBytes(TorchDispatchMode):
     """Live storages created inside ``with``, counted in allocator blocks; ``peak`` is the high-water mark, with
-    ``workspace(func, args)`` bytes held inside each op on top of what is live after it, if given.
+    ``workspace(func, args)`` bytes held inside each op on top of what is live after it, if given. An op's output
+    that shares an input's storage (a view, ``detach``, an in-place op such as ``add_`` into a gradient) allocates
+    nothing: a parameter or gradient made before ``with`` is not counted again.
 
     Works on meta tensors: a storage's Python object can be watched with ``weakref.finalize``.
     """
@@ -55,11 +57,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {storage_id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage._cdata
-                if key not in self._sizes:
+                if key not in self._sizes and key not in inputs:
                     self._sizes[key] = blocks(storage.nbytes())
                     self.live += self._sizes[key]
                     weakref.finalize(storage, self._free, key)
