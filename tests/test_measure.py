@@ -2,12 +2,14 @@
 follow 1/N + halo on real ranks (bytes are deterministic; no timing is asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from ranks import MEASURE
 from shardlab import measure
 from shardlab.models import conv_stack
 
@@ -52,11 +54,13 @@ def test_ideal_ratio_is_one_over_n_plus_halo(n, expected):
 def test_measurement_script_on_four_ranks_one_job_for_both_tables(tmp_path, no_leftovers):
     """Activation bytes follow 1/N + halo; FSDP2's state bytes follow 1/ddp (bytes are exact: no timing asserted)."""
     out = tmp_path / "tables.json"
+    placed = MEASURE.ranks().or_skip()  # CPU ranks on any machine: the CLI places its own, so it sees no GPU
     proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "state-memory", "--json",
-                           str(out)], capture_output=True, text=True, timeout=600)
+                           str(out)], capture_output=True, text=True, timeout=600, env=os.environ | placed.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ratio/ideal") == 2  # the table headers other runs are compared against
     tables = json.loads(out.read_text())
+    assert {table["device"].split(":")[0] for table in tables.values()} == {placed.device}
     activation = {r["N"]: r for r in tables["activation-memory"]["rows"]}
     assert activation[1]["ratio"] == 1.0
     for n in (2, 4):

@@ -11,12 +11,14 @@ import nbformat
 import pytest
 
 from notebook_runner import left_in_temp_folder, run_notebook
+from ranks import NOTEBOOK_SIZES
 from shardlab import procs
 from shardlab.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-# The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8. 10 and 11 run
-# whole at 2 ranks in JupyterLab (tests/test_browser.py), which fails on any cell that fails, so not again here.
+# The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8 (on the GPUs where
+# they can hold that many ranks, else on CPU ranks: tests/ranks.py). 10 and 11 run whole at 2 ranks in JupyterLab
+# (tests/test_browser.py), which fails on any cell that fails, so not again here.
 OTHER_SIZES = {"02": (2, 8), "03": (2, 8), "04": (2, 8), "05": (2, 8), "07": (2, 8), "10": (8,), "11": (8,)}
 OTHER_WORLD_SIZES = [(path, ranks) for path in NOTEBOOKS for ranks in OTHER_SIZES.get(path.stem[:2], ())]
 # At the other sizes the capstone proves the program (the mesh, every step's loss against one process, the resume),
@@ -47,8 +49,10 @@ def test_notebook_runs_and_its_checks_reject_wrong_answers(path, no_leftovers):
 @pytest.mark.parametrize("path, ranks", OTHER_WORLD_SIZES, ids=lambda v: getattr(v, "stem", f"{v}ranks"))
 def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
     """Mesh shapes and sizes come from the world size: the lesson holds at 2 and 8 ranks too (no rehearsals:
-    the exercises were rehearsed at the default size)."""
-    env = os.environ | {"SHARDLAB_RANKS": str(ranks)} | AT_OTHER_WORLD_SIZES.get(path.stem, {})
+    the exercises were rehearsed at the default size). Where the GPUs cannot hold that many ranks (8 on 2-7 GPUs), the
+    kernel sees no GPU: sl.start_cluster() has no device setting, and a kernel without a GPU starts CPU ranks."""
+    placed = NOTEBOOK_SIZES.ranks(ranks).or_skip()
+    env = os.environ | {"SHARDLAB_RANKS": str(ranks)} | placed.env | AT_OTHER_WORLD_SIZES.get(path.stem, {})
     run_notebook(path, rehearse=False, env=env, timeout_s=600)
 
 

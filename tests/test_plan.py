@@ -8,6 +8,7 @@ allocator's. The GPU test compares the predicted peak with ``max_memory_allocate
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
+from ranks import PLANNER
 from shardlab import plan, plot
 from shardlab.models import conv_stack
 from shardlab.train import Levers
@@ -351,12 +353,15 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
     state-heavy FSDP2 cases, whose all-gather and reduce-scatter buffers gloo frees when the collective completes,
     in its own thread) and small ranks carry a few KiB of gloo and ShardTensor bookkeeping the planner leaves out."""
     out = tmp_path / "measured.json"
+    placed = PLANNER.ranks().or_skip()  # CPU ranks on any machine: the CLI places its own, so it sees no GPU
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "shardlab.plan", "--measure", "--measure-peaks", "--ranks", "4",
-                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+                           "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          env=os.environ | placed.env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout, f"\n{time.perf_counter() - t0:.0f} s for the job (wall clock, this machine)")
     measurement = json.loads(out.read_text())
+    assert measurement["device"].split(":")[0] == placed.device, measurement["device"]
     series, peaks = plan.cli.series_and_peaks(measurement, 4)
     assert "step peak per rank, planner vs allocator" in proc.stdout and "planner vs measured" in proc.stdout
 

@@ -1,5 +1,6 @@
-"""The smoke CLI on real ranks, CPU: mpirun on 4 ranks, and torchrun refusing a bad domain size. MPICH's
-mpiexec: tests/test_mpich.py; Slurm's srun: tests/test_slurm.py."""
+"""The smoke CLI on real ranks, CPU: mpirun on 4 ranks (CPU ranks on purpose on any machine, tests/ranks.py; CUDA
+ranks: make gpu-check), and torchrun refusing a bad domain size. MPICH's mpiexec: tests/test_mpich.py; Slurm's srun:
+tests/test_slurm.py."""
 
 import json
 import subprocess
@@ -7,6 +8,8 @@ import sys
 
 import pytest
 
+from ranks import SMOKE
+from shardlab.launch import run_job
 from shardlab.smoke import CHECKS, run_smoke
 
 
@@ -29,8 +32,13 @@ def test_single_process_reports_versions_and_device():
     ],
 )
 def test_distributed_checks_pass_on_every_rank(launcher, n, expected_mesh, expected_method, no_leftovers):
-    report = run_smoke(launcher, n)
-    assert report["returncode"] == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
+    placed = SMOKE.ranks(n).or_skip()  # CPU ranks, also where GPUs could hold them or would refuse 4 ranks
+    # run_smoke's own job, with the device asked for (run_smoke has no device option: it places its ranks itself).
+    job = run_job(launcher, n, "shardlab.smoke", ["--distributed", "--domain=2", *(f"--check-{c}" for c in CHECKS)],
+                  timeout_s=180.0, check=False, device=placed.device)
+    report = job.result  # check=False: a job that wrote none raised JobFailed, with its stderr
+    assert job.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
+    assert job.placement.device == "cpu" and {r["device"] for r in report["ranks"]} == {"cpu"}
     assert report["mesh"] == expected_mesh
     assert [r["rank"] for r in report["ranks"]] == list(range(n))
     for row in report["ranks"]:
