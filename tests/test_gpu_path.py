@@ -130,6 +130,15 @@ def test_cluster_run_job_smoke_bench_measure_and_gpucheck_choose_alike(monkeypat
         assert place_ranks(measure_ranks, count).device == "cuda"
 
 
+@pytest.mark.parametrize("count, ranks, device", [(0, 4, "cpu"), (1, 4, "cpu"), (2, 2, "cuda"), (3, 2, "cuda"),
+                                                  (5, 4, "cuda"), (7, 6, "cuda"), (8, 8, "cuda")])
+def test_the_default_cluster_is_an_even_number_of_ranks_the_gpus_can_hold(gpus, count, ranks, device):
+    """Every lesson's mesh has domain groups of 2: an odd default (3 GPUs, 3 ranks) would be refused by them."""
+    gpus(count)
+    cluster = cl.MPICluster()
+    assert (cluster.n, cluster.device) == (ranks, device)
+
+
 def test_more_ranks_than_gpus_is_refused_not_silently_cpu(gpus):  # bug 4
     gpus(4)
     with pytest.raises(DeviceError, match=r"8 ranks but 4 GPU\(s\).*SHARDLAB_RANKS=4"):
@@ -259,14 +268,36 @@ def test_gpucheck_writes_its_json_after_every_row_and_gives_each_row_its_own_bud
     assert [r["status"] for r in rows].count("FAILED") == 2 and "needs 2+ GPUs" in status.values()
 
 
-@pytest.mark.parametrize("ratio, device, label, ok", [(0.6, "cuda:0", "1 CUDA rank", True),
-                                                      (1.3, "cuda:0", "1 CUDA rank", False),
-                                                      (0.6, "cpu", "1 CPU rank", False)])
-def test_the_compile_speed_row_is_judged(monkeypatch, ratio, device, label, ok):
-    row = {"eager_step_s": 0.002, "compiled_step_s": 0.002 * ratio, "compiled/eager": ratio}
+@pytest.mark.parametrize("ratio, diff, device, label, ok", [
+    (0.6, 1e-6, "cuda:0", "1 CUDA rank", True),
+    (1.3, 1e-6, "cuda:0", "1 CUDA rank", True),  # compiled slower on a small model: reported, not a failure
+    (0.6, 0.5, "cuda:0", "1 CUDA rank", False),  # compiled computes something else
+    (0.6, 1e-6, "cpu", "1 CPU rank", False),
+])
+def test_the_compile_speed_row_is_judged(monkeypatch, ratio, diff, device, label, ok):
+    row = {"eager_step_s": 0.002, "compiled_step_s": 0.002 * ratio, "compiled/eager": ratio, "first_call_s": 12.0,
+           "compiled_relative_diff": diff}
     monkeypatch.setattr(gpucheck, "_measure", lambda *args: ({"device": device, "rows": [row]}, label))
     result, passed = gpucheck.run_row({"name": "compile-speed", "budget_s": 10}, 1)
     assert passed == ok and f"compiled/eager {ratio:.2f}" in result and label in result
+    assert "first compiled call 12.0 s" in result and f"compiled vs eager {diff:.1e}" in result
+    del row["compiled_relative_diff"]  # a table that does not compare the values cannot pass the row
+    result, passed = gpucheck.run_row({"name": "compile-speed", "budget_s": 10}, 1)
+    assert not passed and "compile_speed_table must compare them" in result
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.1])
+def test_the_compile_speed_table_compares_the_compiled_values_with_eager(monkeypatch, scale):
+    """What the compile-speed row judges is computed by the table: torch.compile replaced by a 'compiler' that
+    returns the model itself, or one that scales its output by 1.1."""
+    from types import SimpleNamespace
+
+    def fake_compile(model, **_):
+        return model if scale == 1.0 else (lambda x: model(x) * scale)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    table = measure_tables.compile_speed_table(SimpleNamespace(width=4, layers=2, repeats=1))
+    assert table["rows"][0]["compiled_relative_diff"] == pytest.approx(scale - 1.0, abs=1e-6)
 
 
 def test_the_tf32_row_is_judged(monkeypatch):
@@ -277,7 +308,8 @@ def test_the_tf32_row_is_judged(monkeypatch):
 
     assert judged(1e-3, 1e-7)
     assert not judged(1e-3, 1e-3)  # strict_fp32 did not remove it
-    assert not judged(1e-7, 1e-7)  # TF32 hardware, but no TF32 error: the flag did nothing
+    assert judged(1e-7, 1e-7)  # TF32 hardware showing less error (cuDNN chose an fp32 kernel): still correct
+    assert not judged(5e-2, 1e-7)  # beyond TF32's rounding: a wrong result
     assert judged(1e-7, 1e-7, hardware=False)  # before sm_80: no TF32 to show
     assert not judged(1e-3, 1e-7, device="cpu")
 
@@ -289,8 +321,9 @@ def test_gpucheck_does_not_depend_on_the_tests_folder_and_says_when_not_in_a_che
         gpucheck.checkout_notebooks()
 
 
-def test_gpucheck_without_a_gpu_says_so_and_exits_0(gpus, tmp_path, capsys):
+def test_gpucheck_without_a_gpu_says_so_and_exits_0(monkeypatch, gpus, tmp_path, capsys):
     gpus(0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi either: a machine without GPUs
     out = tmp_path / "gpu-check.json"
     assert gpucheck.main(["--json", str(out)]) == 0
     assert "No GPU is visible here" in capsys.readouterr().out

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .devices import place_ranks, usable_cores, visible_gpus
+from .devices import default_ranks, place_ranks, usable_cores, visible_gpus
 from .launch import run_job, write_job_result
 from .report import Table
 
@@ -77,11 +77,15 @@ def _job(launcher: str, n: int, name: str, device: str):
     return job.seconds, job.result
 
 
-def run(n: int = 4) -> list[dict]:
+def run(n: int | None = None) -> list[dict]:
+    """The rows, on ``n`` ranks (default: one per GPU, an even count: the workload's mesh has domain groups of 2;
+    4 CPU ranks without two GPUs)."""
     from .cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
 
     rows = []
-    device = place_ranks(n, visible_gpus()).device  # the cluster and both jobs alike
+    gpus = visible_gpus()
+    n = n or default_ranks(gpus)
+    device = place_ranks(n, gpus).device  # the cluster and both jobs alike
     same_work_s, phases = _job("openmpi", n, "same-work", device)
     with MPICluster(n=n, device=device) as cluster:
         start_s = cluster.start_seconds
@@ -129,7 +133,8 @@ def machine() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardlab.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4, help="ranks of the cluster and of the scripts (default 4)")
+    parser.add_argument("--ranks", type=int, help="ranks of the cluster and of the scripts (default: one per GPU, an "
+                                                  "even count, with two or more; else 4)")
     parser.add_argument("--json", help="also write the rows, machine and date as JSON to this file")
     parser.add_argument("--job", choices=("same-work", "ddp-steps"), help=argparse.SUPPRESS)  # on the ranks of a job
     args = parser.parse_args(argv)

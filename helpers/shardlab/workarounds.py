@@ -32,38 +32,79 @@ def cpu_safe_process_group_init(timeout: timedelta):
         yield
 
 
-# What NCCL error handling is set to when a group is created (read by ProcessGroupNCCL's constructor).
+# What NCCL error handling is set to when a group is created (read by ProcessGroupNCCL's constructor): always this.
 NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+# What a collective that timed out waits for before it is aborted, and whether the heartbeat monitor ends the process
+# afterwards (read by ProcessGroupNCCL::HeartbeatMonitor's constructor, whenever a group is created).
+NCCL_TIMEOUT_DUMP = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+                     "TORCH_NCCL_ENABLE_MONITORING": "0"}
+# Whoever sets one of these has chosen torch's dump and monitor: then none of NCCL_TIMEOUT_DUMP is set.
+NCCL_DUMP_AND_MONITOR = (*NCCL_TIMEOUT_DUMP, "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+
+
+def nccl_settings(env=None) -> dict[str, str]:
+    """What ``nccl_errors_raise`` sets before a group is created, in the environment ``env`` (default: this process's):
+    NCCL_ERROR_HANDLING always; NCCL_TIMEOUT_DUMP unless ``env`` sets any of NCCL_DUMP_AND_MONITOR."""
+    env = os.environ if env is None else env
+    return NCCL_ERROR_HANDLING | ({} if any(name in env for name in NCCL_DUMP_AND_MONITOR) else NCCL_TIMEOUT_DUMP)
 
 
 @contextlib.contextmanager
 def nccl_errors_raise():
-    """Make a collective that a rank never joins end in an error after the group's timeout on NCCL, not a hang.
+    """Make a collective that a rank never joins end in an error soon after the group's timeout on NCCL, not a hang,
+    and leave the process alive.
 
     Upstream: physicsnemo/distributed/manager.py (2.2.2), ``DistributedManager.initialize()`` runs
     ``os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"`` just before it creates the process group:
     ``NoHandling`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, ``enum ErrorHandlingMode``), so a
     collective that timed out is never aborted and the ranks waiting in it hang. After that line and before the
-    group exists (the variables are read when a group is created), this sets NCCL_ERROR_HANDLING:
+    group exists (the variables are read when a group is created), this sets ``nccl_settings()``:
 
     - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, ``CleanUpOnly``: "just clean up collectives and abort communicators
-      without tearing down process" (the same header). The engine survives, so a ``%%px`` cell can report it.
+      without tearing down process" (the same header): ``WorkNCCL::handleException`` rethrows in the watchdog thread,
+      which ends the process, only for the modes that tear down (``SHOULD_TEAR_DOWN``). The engine survives, so a
+      ``%%px`` cell can report it.
     - ``TORCH_NCCL_BLOCKING_WAIT=0``: with blocking wait on, torch creates no watchdog thread
       (libtorch_cuda.so logs "TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created."); only
       a ``wait()`` would then be timed, work completed through futures (DDP's reducer) would hang, and every
       collective would block the host (FSDP2 would lose its overlap).
+    - NCCL_TIMEOUT_DUMP, torch's debug dump and heartbeat monitor, off. torch 2.14's
+      ``ProcessGroupNCCL::Watchdog::runLoop`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), on a collective that
+      failed or timed out, signals every rank to dump its flight recorder (``broadcastDumpSignal``: a key in the store,
+      and ``shouldDump_``), then sleeps ``getDumpTimeout() * 4``, whatever else is set: 4 ×
+      TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default), a minute before the communicator is aborted. Then
+      ``HeartbeatMonitor::runLoop`` of each rank's first group, with TORCH_NCCL_DUMP_ON_TIMEOUT on (the default), takes
+      the signal, dumps (waiting up to that many ms per try), sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and, with
+      TORCH_NCCL_ENABLE_MONITORING on (the default), ends the process (``terminateProcess``: LOG(FATAL)): every rank of
+      the job, 8 minutes or more after one timeout, parked clusters included. Hence
+      ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0`` (no sleep: the communicator is aborted at the watchdog's first 100 ms
+      poll after the timeout, once it printed the collective's stack), ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` (the monitor
+      ignores the signal: no dump, no end of the process) and ``TORCH_NCCL_ENABLE_MONITORING=0`` (the monitor never ends
+      the process, not even for a watchdog stuck in a CUDA call for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: it logs "monitor
+      thread is disabled, but would have terminated the process"; ``cell_timeout_s`` and ``cluster.restart()`` deal with
+      a hung rank). Left as torch has them: TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (only the monitor acts on it);
+      TORCH_NCCL_PROPAGATE_ERROR, off (on, a rank's failure marks the group failed on the other ranks too, through the
+      store: each rank reports its own instead); the flight recorder, TORCH_FR_BUFFER_SIZE (or
+      TORCH_NCCL_TRACE_BUFFER_SIZE), 2,000 entries: the watchdog prints the failed collective's stack from it (waiting
+      at most 8 s for its symbols), and it can still be dumped on request. Checked in the installed 2.14.1
+      libtorch_cuda.so: HeartbeatMonitor's constructor reads these variables with the defaults above, and
+      Watchdog::runLoop sleeps getDumpTimeout() * 4 before ``abortComms`` (tests/test_nccl_timeouts.py reads both back
+      from the library).
+      Yours win: set any of NCCL_DUMP_AND_MONITOR yourself (e.g. TORCH_NCCL_DUMP_ON_TIMEOUT=1 for the flight
+      recorder's files of a hang) and none of NCCL_TIMEOUT_DUMP is set: torch's dump and monitor then work as you
+      configured them, a collective raises 4 dump waits after the timeout, and the monitor may end every rank.
 
     Which failure raises where, on NCCL: the watchdog notices a collective that outlived the timeout ("Watchdog
     caught collective operation timeout: ... ran for N milliseconds before timing out.") and aborts the
     communicator. The rank's own thread is not interrupted: a result it syncs on (``.item()``) is garbage, and its
     next collective on that group raises "NCCL communicator was aborted on rank N. Original reason for failure
     was: Watchdog caught collective operation timeout: ..." (later ones: "NCCL communicator was aborted after a
-    previous error"). Restart the ranks after that. gloo reads neither variable: its collective itself raises
-    "Timed out waiting Nms" after the timeout.
+    previous error"). Restart the ranks after that. gloo reads none of these variables: its collective itself
+    raises "Timed out waiting Nms" after the timeout.
     """
 
     def adjust(_kwargs):
-        os.environ.update(NCCL_ERROR_HANDLING)
+        os.environ.update(nccl_settings())
 
     with _init_process_group_adjusted(adjust):
         yield
@@ -188,3 +229,111 @@ def recompute_with_shard_tensor_handlers():
     import contextlib
 
     return contextlib.nullcontext(), _ShardTensorHandlersOn()
+
+
+# -- where a Slurm step's ranks meet ----------------------------------------------------------------------------
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.contextmanager
+def slurm_rendezvous_on_first_node():
+    """Let the SLURM method of ``DistributedManager.initialize()`` meet rank 0 where it listens: the step's first node.
+
+    Upstream: NVIDIA/physicsnemo issue #819. PhysicsNeMo 2.2.2's ``DistributedManager.initialize_slurm`` passes
+    ``SLURM_LAUNCH_NODE_IPADDR`` to ``setup`` as rank 0's address, and ignores MASTER_ADDR. That variable is the
+    address of the node srun ran on: unset under sbatch without srun, where ``setup`` fails (#819), and a login
+    node's when srun is started there (salloc's shell on a login node; a kernel there starting Slurm engines or
+    ``run_job("slurm")``), where no rank listens, so every rank waits for a rendezvous that never comes. While the
+    block runs, the SLURM method's ``setup`` gets ``slurm_rendezvous_address()`` instead; the ENV and OPENMPI
+    methods are left alone.
+    """
+    from physicsnemo.distributed import DistributedManager
+
+    original = DistributedManager.__dict__["setup"]
+
+    def setup(*args, **kwargs):
+        if kwargs.get("method") == "slurm":
+            kwargs["addr"] = slurm_rendezvous_address()
+        return original.__func__(*args, **kwargs)
+
+    DistributedManager.setup = staticmethod(setup)
+    try:
+        yield
+    finally:
+        DistributedManager.setup = original
+
+
+def slurm_rendezvous_address(env=None) -> str:
+    """Where rank 0 of this process's Slurm step listens, the same answer on every rank of the step:
+
+    - MASTER_ADDR when it is set to anything but loopback: the user's choice;
+    - loopback when the step runs on one node (every rank is there; shardlab's own MASTER_ADDR=127.0.0.1 is kept);
+    - else the first node of the step, where Slurm puts task 0: the first of ``SLURM_STEP_NODELIST`` (else
+      ``SLURM_JOB_NODELIST``), expanded by ``slurm_hostnames``.
+
+    A RuntimeError says what to set when the step's nodes cannot be read."""
+    env = os.environ if env is None else env
+    given = env.get("MASTER_ADDR", "").strip()
+    if given and given not in LOOPBACK:
+        return given
+    nodelist = next((env[name] for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                     if env.get(name)), "")
+    count = next((env[name] for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+                  if env.get(name)), "")
+    try:
+        hosts = slurm_hostnames(nodelist) if nodelist else []
+    except ValueError:
+        hosts = []
+    if len(hosts) == 1 or (not hosts and count == "1"):
+        return given or "127.0.0.1"
+    if hosts:
+        return hosts[0]
+    raise RuntimeError(
+        f"this Slurm step runs on {count or 'an unknown number of'} nodes, and which one rank 0 listens on cannot be "
+        f"read from SLURM_STEP_NODELIST/SLURM_JOB_NODELIST ({nodelist!r}). Set MASTER_ADDR to the step's first "
+        "node before srun, e.g. export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1).")
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """The host names of a Slurm node list ('node[01-04,07]'): ``scontrol show hostnames`` where scontrol is on
+    PATH, else ``expand_nodelist``. ValueError when neither can read it."""
+    import shutil
+    import subprocess
+
+    if scontrol := shutil.which("scontrol"):
+        try:
+            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=30)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # the parser below reads the common syntax
+    return expand_nodelist(nodelist)
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compact node list as host names, in order, for the common syntax: names, commas, and brackets of
+    numbers and ranges, zero-padded as written ('node[01-03,07],gpu[1-2]-ib' -> node01, node02, node03, node07,
+    gpu1-ib, gpu2-ib). ValueError for anything else."""
+    import re
+
+    pattern = r"(?:[^,\[\]]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+"
+    if not re.fullmatch(rf"{pattern}(?:,{pattern})*", nodelist):
+        raise ValueError(f"not a Slurm node list this parser reads: {nodelist!r}")
+    hosts = []
+    for name in re.findall(pattern, nodelist):
+        expanded = [""]
+        for text, ranges in re.findall(r"([^\[]+)|\[([^\]]*)\]", name):
+            choices = [text] if text else [number for each in ranges.split(",") for number in _numbers(each)]
+            expanded = [head + tail for head in expanded for tail in choices]
+        hosts += expanded
+    return hosts
+
+
+def _numbers(spec: str) -> list[str]:
+    """'07' -> ['07']; '01-03' -> ['01', '02', '03'] (the width of the first bound, as Slurm pads)."""
+    low, _, high = spec.partition("-")
+    if int(high or low) < int(low):
+        raise ValueError(f"a descending range in a Slurm node list: [{spec}]")
+    return [str(number).zfill(len(low)) for number in range(int(low), int(high or low) + 1)]
