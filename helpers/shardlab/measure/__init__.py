@@ -224,7 +224,7 @@ class SavedActivations:
     """
 
     def __init__(self, exclude=()):
-        self._excluded: set[int] = set()
+        self._excluded: dict[int, int] = {}  # data_ptr -> how many live excluded storages start there
         self._seen: set[tuple[int, tuple]] = set()
         self.bytes = 0
         self.tensors = 0
@@ -232,9 +232,19 @@ class SavedActivations:
         self.exclude(exclude)
 
     def exclude(self, tensors) -> None:
-        """Never count these tensors (nor views sharing their first element), from now on: for example the
-        parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook)."""
-        self._excluded |= {t.data_ptr() for t in tensors}
+        """Never count these tensors (nor views sharing their first element) while they live: for example the
+        parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook). Once a tensor's storage
+        is freed its address is forgotten: an activation the allocator puts there later is counted."""
+        for t in tensors:
+            ptr = t.data_ptr()
+            self._excluded[ptr] = self._excluded.get(ptr, 0) + 1
+            weakref.finalize(t.untyped_storage(), self._forget, ptr)
+
+    def _forget(self, ptr: int) -> None:
+        if self._excluded.get(ptr, 0) > 1:
+            self._excluded[ptr] -= 1
+        else:
+            self._excluded.pop(ptr, None)
 
     def _pack(self, t):
         local = t.to_local() if hasattr(t, "to_local") else t
