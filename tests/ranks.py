@@ -19,10 +19,11 @@ the test is skipped with that refusal, which says what it needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
-from shardlab import devices, launcher_programs
+from shardlab import devices, launch, launcher_programs
 from shardlab.devices import DeviceError, place_ranks
 
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # what a kernel or CLI honours: its ranks see no GPU, so they are CPU ranks
@@ -100,3 +101,18 @@ DEFAULT_SIZE = Need("test_cluster.py", "test_shardlab_ranks_picks_the_default_si
 NOTEBOOK_SIZES = Need("test_notebooks.py", "test_notebook_runs_at_other_world_sizes", (2, 8), cpu=False,
                       about="each lesson at 2 and 8 ranks: on the GPUs where they can hold them, else CPU ranks")
 NEEDS = (SMOKE, MEASURE, PLANNER, DEFAULT_SIZE, NOTEBOOK_SIZES)
+
+
+def run_job_unstarted(monkeypatch, n: int, launcher: str = "torchrun", device: str = "auto"):
+    """What ``launch.run_job`` decides for ``n`` ranks, without starting them: its placement, and the environment
+    it would start them with."""
+    seen = {}
+
+    def fake_run(cmd, env, timeout_s, what, capture=True):
+        seen["env"] = env
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
+    monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
+    job = launch.run_job(launcher, n, "shardlab.smoke", timeout_s=1, device=device)
+    return job.placement, seen["env"]

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from ranks import run_job_unstarted
 from shardlab import cluster as cl
 from shardlab import devices, launch, procs, warm
 from shardlab.bringup import release_for_parking
@@ -35,23 +36,9 @@ def cores(monkeypatch):
 # -- compile workers per rank -------------------------------------------------------------------------------------
 
 
-def _job_environment(monkeypatch, n: int) -> dict[str, str]:
-    """The environment run_job starts n CPU ranks with, without starting them."""
-    seen = {}
-
-    def fake_run(cmd, env, timeout_s, what, capture=True):
-        seen["env"] = env
-        return SimpleNamespace(returncode=0, stdout="", stderr="")
-
-    monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
-    monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
-    launch.run_job("torchrun", n, "shardlab.smoke", timeout_s=1, device="cpu")
-    return seen["env"]
-
-
 @pytest.mark.parametrize("n, share", [(1, 16), (4, 4), (32, 1)])
 def test_a_job_gives_each_rank_its_share_of_the_cores_as_threads_and_compile_workers(monkeypatch, cores, n, share):
-    env = _job_environment(monkeypatch, n)
+    env = run_job_unstarted(monkeypatch, n, device="cpu")[1]
     # Unset, every rank that compiles would start min(32, 16) = 16 compile workers of its own.
     assert (env.get("OMP_NUM_THREADS"), env.get(COMPILE)) == (str(share), str(share))
 
@@ -59,7 +46,7 @@ def test_a_job_gives_each_rank_its_share_of_the_cores_as_threads_and_compile_wor
 def test_a_job_keeps_the_compile_workers_and_threads_you_chose(monkeypatch, cores):
     monkeypatch.setenv(COMPILE, "6")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    env = _job_environment(monkeypatch, 4)
+    env = run_job_unstarted(monkeypatch, 4, device="cpu")[1]
     assert (env["OMP_NUM_THREADS"], env[COMPILE]) == ("2", "6")
 
 

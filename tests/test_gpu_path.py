@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ranks import run_job_unstarted
 from shardlab import bench, devices, engines, gpucheck, launch, launcher_programs, smoke
 from shardlab import cluster as cl
 from shardlab.devices import DeviceError, place_ranks
@@ -73,20 +74,6 @@ def test_impossible_or_unknown_devices_are_refused(n, count, device):
 # -- everything follows it ---------------------------------------------------------------------------------------
 
 
-def _run_job_placement(monkeypatch, n: int, launcher: str = "torchrun", device: str = "auto"):
-    """What run_job decides for n ranks, and the CUDA_VISIBLE_DEVICES it gives them, without starting them."""
-    seen = {}
-
-    def fake_run(cmd, env, timeout_s, what, capture=True):
-        seen["env"] = env
-        return SimpleNamespace(returncode=0, stdout="", stderr="")
-
-    monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
-    monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
-    job = launch.run_job(launcher, n, "shardlab.smoke", timeout_s=1, device=device)
-    return job.placement, seen["env"].get("CUDA_VISIBLE_DEVICES")
-
-
 def _bench_device(monkeypatch, n: int) -> str:
     class Chosen(Exception):
         pass
@@ -110,11 +97,11 @@ def test_cluster_run_job_smoke_bench_measure_and_gpucheck_choose_alike(monkeypat
             with pytest.raises(DeviceError):
                 cl.MPICluster(n=n)
             with pytest.raises(DeviceError):
-                _run_job_placement(monkeypatch, n)
+                run_job_unstarted(monkeypatch, n)
             continue
         assert cl.MPICluster(n=n).device == expected.device
-        placement, hidden = _run_job_placement(monkeypatch, n)
-        assert placement == expected and (hidden == "") == (expected.device == "cpu")
+        placement, env = run_job_unstarted(monkeypatch, n)
+        assert placement == expected and (env.get("CUDA_VISIBLE_DEVICES") == "") == (expected.device == "cpu")
         assert _bench_device(monkeypatch, n) == expected.device  # without building a cluster first
     default = cl.MPICluster()
     facts = smoke.machine_facts()

@@ -8,7 +8,6 @@ notebook kernel that places its ranks itself and sees no GPU when the test hides
 import ast
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -48,32 +47,18 @@ def workstation(monkeypatch):
     return set_count
 
 
-def _run_job(monkeypatch, launcher: str, n: int, device: str) -> tuple[str, str | None]:
-    """Where run_job puts n ranks, and the CUDA_VISIBLE_DEVICES it gives them, without starting them."""
-    seen = {}
-
-    def fake_run(cmd, env, timeout_s, what, capture=True):
-        seen["env"] = env
-        return SimpleNamespace(returncode=0, stdout="", stderr="")
-
-    monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
-    monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
-    job = launch.run_job(launcher, n, "shardlab.smoke", timeout_s=1, device=device)
-    return job.placement.device, seen["env"].get("CUDA_VISIBLE_DEVICES")
-
-
 def _start(need: ranks.Need, n: int, count: int, device: str, env: dict, workstation, monkeypatch) -> tuple[str, bool]:
     """Where the launch path the test of ``need`` uses puts its ``n`` ranks on a machine of ``count`` GPUs, and
     whether they see no GPU, when the test passes ``device`` where it can and starts its process with ``env``."""
     child_sees = 0 if env.get("CUDA_VISIBLE_DEVICES") == "" else count  # a CLI or a kernel the test starts with env
     if need is ranks.SMOKE:  # run_job("openmpi", n, device=...) in the test's own process
         workstation(count)
-        placed, hidden = _run_job(monkeypatch, "openmpi", n, device)
-        return placed, hidden == ""
+        placement, job_env = ranks.run_job_unstarted(monkeypatch, n, "openmpi", device)
+        return placement.device, job_env.get("CUDA_VISIBLE_DEVICES") == ""
     if need in (ranks.MEASURE, ranks.PLANNER):  # the CLI, started with env, runs run_job("torchrun", n) itself
         workstation(child_sees)
-        placed, hidden = _run_job(monkeypatch, "torchrun", n, "auto")
-        return placed, hidden == ""
+        placement, job_env = ranks.run_job_unstarted(monkeypatch, n)
+        return placement.device, job_env.get("CUDA_VISIBLE_DEVICES") == ""
     monkeypatch.setenv("SHARDLAB_RANKS", str(n))
     if need is ranks.DEFAULT_SIZE:  # MPICluster(device=...) in the test's own process
         workstation(count)

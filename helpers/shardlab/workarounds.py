@@ -139,13 +139,25 @@ def gpu_of_this_rank(gpu: int | None):
     rank ``setup`` uses for the device (and for its barrier's ``device_ids``); the launcher's own local rank is
     still what ``launch.detect_launch`` reports. ``None`` (no GPU) changes nothing.
     """
+
+    def adjust(kwargs):
+        if gpu is not None:
+            kwargs["local_rank"] = gpu
+
+    with _setup_adjusted(adjust):
+        yield
+
+
+@contextlib.contextmanager
+def _setup_adjusted(adjust):
+    """While the block runs, ``DistributedManager.setup`` first calls ``adjust(kwargs)`` (it may edit the call's
+    keywords): the one call through which the initialisation methods reach the device and rank 0's address."""
     from physicsnemo.distributed import DistributedManager
 
     original = DistributedManager.__dict__["setup"]
 
     def setup(*args, **kwargs):
-        if gpu is not None:
-            kwargs["local_rank"] = gpu
+        adjust(kwargs)
         return original.__func__(*args, **kwargs)
 
     DistributedManager.setup = staticmethod(setup)
@@ -248,20 +260,13 @@ def slurm_rendezvous_on_first_node():
     block runs, the SLURM method's ``setup`` gets ``slurm_rendezvous_address()`` instead; the ENV and OPENMPI
     methods are left alone.
     """
-    from physicsnemo.distributed import DistributedManager
 
-    original = DistributedManager.__dict__["setup"]
-
-    def setup(*args, **kwargs):
+    def adjust(kwargs):
         if kwargs.get("method") == "slurm":
             kwargs["addr"] = slurm_rendezvous_address()
-        return original.__func__(*args, **kwargs)
 
-    DistributedManager.setup = staticmethod(setup)
-    try:
+    with _setup_adjusted(adjust):
         yield
-    finally:
-        DistributedManager.setup = original
 
 
 def slurm_rendezvous_address(env=None) -> str:
