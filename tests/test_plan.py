@@ -290,12 +290,30 @@ def profiled_step_peak(model, field_shape, optimizer: str, dtype, levers) -> int
     held = sum(t.numel() * t.element_size() for t in state)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         training_step(model, opt, lambda: (x.clone(), y.clone()), levers=levers)  # the batch copied in, as on a GPU
+    return held + step_peak(prof.profiler.kineto_results.experimental_event_tree())
+
+
+def step_peak(roots) -> int:
+    """The most bytes live at once in a profile's allocation events, a free counted only where the profile saw the
+    block allocated: torch's CPU memory reporter remembers sizes across profiler runs, so a tensor allocated before
+    this one at an address an earlier run saw can be reported freed here (the series' ``cpu_allocator_changes``
+    works around it; this reference reads the events on its own)."""
+    events, stack = [], list(roots)
+    while stack:
+        node = stack.pop()
+        stack += node.children
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
+    allocated = set()
+    for _, ptr, nbytes in sorted(events):
+        if nbytes < 0 and ptr not in allocated:
+            continue
+        (allocated.add if nbytes > 0 else allocated.discard)(ptr)
+        live += nbytes
         peak = max(peak, live)
-    return held + peak
+    return peak
 
 
 CHECKPOINT, AUTOCAST = Levers(checkpoint=True), Levers(autocast=torch.bfloat16)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..mesh import domain_source
+from ..workarounds import cpu_allocator_changes
 
 # PhysicsNeMo is imported inside the functions that use it: the byte arithmetic also runs in
 # the notebook kernel, which need not pay its import.
@@ -119,8 +120,9 @@ class AllocatorPeak:
     On a GPU: ``torch.cuda.max_memory_allocated`` over the window (its counters reset as the window opens) minus
     ``memory_allocated`` at the start of ``with``. On a CPU rank: torch.profiler's memory events (every allocation and
     free the CPU allocator makes, kernels' own buffers included), summed in time order from the start of ``with``;
-    the profiler does not see the free of a block allocated before it started, so each ``held`` storage's free is
-    marked in the profile when it happens (``weakref.finalize``). ``peak`` is None until the window has closed."""
+    no free of a block allocated before it started is counted (``workarounds.cpu_allocator_changes``), so each
+    ``held`` storage's free is marked in the profile when it happens (``weakref.finalize``). ``peak`` is None until
+    the window has closed."""
 
     WINDOW = "shardlab: measured window"
     FREED = "shardlab: held storage freed, bytes="
@@ -179,7 +181,7 @@ class AllocatorPeak:
             return
         events = list(self._profile.profiler.kineto_results.events())
         start, end = next((e.start_ns(), e.end_ns()) for e in events if e.name() == self.WINDOW)
-        changes = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+        changes = cpu_allocator_changes(self._profile)
         changes += [(e.start_ns(), -int(e.name().removeprefix(self.FREED))) for e in events
                     if e.name().startswith(self.FREED)]
         live, peak = self.held_at_start, None

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..workarounds import cpu_allocator_changes
+
 CONVOLUTION = torch.ops.aten.convolution.default
 CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 RUN_POSITIONS = 4096  # a larger kernel is run at about this many output positions (the smallest of its runs)
@@ -122,9 +124,8 @@ class Kernel:
             torch.set_num_threads(before)
         del out
         live = peak = 0
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            live += event.nbytes()
+        for _, nbytes in cpu_allocator_changes(prof):
+            live += nbytes
             peak = max(peak, live)
         return max(0, peak - live)
 
