@@ -11,6 +11,7 @@ import torch
 
 from ranks import MEASURE
 from shardlab import measure
+from shardlab.launch import run_job
 from shardlab.models import conv_stack
 
 
@@ -115,3 +116,45 @@ def test_an_activation_at_the_address_of_a_freed_excluded_tensor_is_counted():
     with saved:
         (x * weight).sum()
     assert saved.bytes == x.numel() * x.element_size()
+
+
+def test_held_bytes_count_the_storage_behind_a_view_once():
+    field = torch.randn(1, 1, 256, 256)
+    one_channel = field.narrow(2, 0, 128)  # a slice along H of a one-channel field: contiguous, a view
+    assert one_channel.is_contiguous() and one_channel.contiguous().data_ptr() == one_channel.data_ptr()
+    assert measure.shard_bytes(one_channel) == 131_072
+    assert measure.held_bytes(one_channel) == 262_144  # the whole field, for as long as the slice lives
+    assert measure.held_bytes(one_channel, field, field.narrow(2, 128, 128)) == 262_144  # one storage, once
+    four_channels = torch.randn(1, 4, 256, 256).narrow(2, 0, 128).contiguous()  # not contiguous: copied
+    assert measure.held_bytes(four_channels) == measure.shard_bytes(four_channels) == 524_288
+
+
+SCATTERED = r"""
+import torch, torch.distributed as dist
+import shardlab as sl
+from physicsnemo.domain_parallel import scatter_tensor
+from torch.distributed.tensor import Shard
+sl.init_distributed(30)
+mesh = sl.build_mesh(ddp=1, domain=2)
+held = {}
+for channels in (1, 4):
+    field = torch.randn(1, channels, 256, 256) if dist.get_rank() == 0 else None
+    shard = scatter_tensor(field, 0, mesh["domain"], (Shard(2),))
+    del field  # the source's own tensor: only what the shard keeps is left
+    held[channels] = {"shard": sl.measure.shard_bytes(shard), "held": sl.measure.held_bytes(shard)}
+rows = [None] * dist.get_world_size()
+dist.all_gather_object(rows, held)
+if dist.get_rank() == 0:
+    sl.launch.write_job_result(rows)
+sl.launch.shutdown_distributed()
+"""
+
+
+@pytest.mark.multirank
+def test_a_scattered_one_channel_shard_holds_the_whole_field(tmp_path, no_leftovers):
+    """scatter_tensor slices the broadcast field; with one channel the slice along H is a view of all of it."""
+    script = tmp_path / "scattered.py"
+    script.write_text(SCATTERED)
+    for rank, held in enumerate(run_job("torchrun", 2, script, timeout_s=300, device="cpu").result):
+        assert held["1"] == {"shard": 131_072, "held": 262_144}, (rank, held)  # half the rows, all the field
+        assert held["4"] == {"shard": 524_288, "held": 524_288}, (rank, held)  # copied out: only its rows

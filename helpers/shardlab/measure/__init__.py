@@ -24,23 +24,41 @@ from ..workarounds import cpu_allocator_changes
 # the notebook kernel, which need not pay its import.
 
 
-def local_bytes(t) -> int:
-    """Bytes this rank holds for a tensor: the local shard of a ShardTensor/DTensor, else the tensor."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_bytes(t) -> int:
+    """Bytes of the elements this rank sees of a tensor: its local shard (a ShardTensor's or DTensor's), else the
+    tensor. Not always what the rank holds: a shard can be a view of a larger buffer (``held_bytes``)."""
+    local = _local(t)
     return local.numel() * local.element_size()
 
 
+def held_bytes(*tensors) -> int:
+    """Bytes this rank holds for ``tensors``: the storage behind each local shard, each storage once. More than
+    ``shard_bytes`` when a shard is a view of a larger buffer: ``scatter_tensor``'s shard of a one-channel field split
+    along H is a slice of the whole broadcast field, which stays allocated as long as the shard lives
+    (notebook 03); an FSDP2 shard is a slice of its padded buffer."""
+    storages = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def state_bytes(model, optimizer=None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    """Bytes of this rank's shards of the parameters, gradients and optimizer state (``shard_bytes``: the local
+    shards' elements, which the planner predicts; ``held_bytes`` adds FSDP2's padding)."""
     params = list(model.parameters())
     out = {
-        "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "parameters": sum(shard_bytes(p) for p in params),
+        "gradients": sum(shard_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer state": 0,
     }
     if optimizer is not None:
         for state in optimizer.state.values():
-            out["optimizer state"] += sum(local_bytes(v) for v in state.values() if hasattr(v, "numel"))
+            out["optimizer state"] += sum(shard_bytes(v) for v in state.values() if hasattr(v, "numel"))
     return out
 
 
@@ -219,7 +237,8 @@ def strict_fp32():
 
 
 class SavedActivations:
-    """Bytes autograd saves for backward inside ``with`` (unique tensors, parameters excluded).
+    """Bytes autograd saves for backward inside ``with`` (unique tensors, parameters excluded; each tensor's elements,
+    as the planner counts them: a saved view of a larger buffer keeps all of it, which ``AllocatorPeak`` sees).
 
     On CPU this is the activation memory a backward pass will need; on GPU compare it with
     ``torch.cuda.max_memory_allocated``. ``counted`` lists (local shape, bytes) of every tensor counted, in order.
@@ -253,9 +272,9 @@ class SavedActivations:
         key = (local.data_ptr(), tuple(local.shape))
         if local.data_ptr() not in self._excluded and key not in self._seen:
             self._seen.add(key)
-            self.bytes += local_bytes(local)
+            self.bytes += shard_bytes(local)
             self.tensors += 1
-            self.counted.append((tuple(local.shape), local_bytes(local)))
+            self.counted.append((tuple(local.shape), shard_bytes(local)))
         return t
 
     def __enter__(self):
