@@ -97,6 +97,18 @@ def test_fsdp_units_are_the_trainable_children_then_the_root_with_the_rest():
                      (model, ["scale", "frozen.weight", "frozen.bias"])]
 
 
+def test_fsdp_units_look_inside_containers_that_fully_shard_refuses():
+    from shardlab.models import unet
+
+    model = unet(width=4, levels=2)
+    units = train.fsdp_units(model)
+    assert not any(isinstance(unit, (torch.nn.ModuleList, torch.nn.ModuleDict)) for unit, _ in units)
+    assert model.down[0] in [unit for unit, _ in units]  # a ModuleList's children are units
+    where = {id(module): name for name, module in model.named_modules()}
+    managed = [f"{where[id(unit)]}.{n}".lstrip(".") for unit, names in units for n in names]
+    assert sorted(managed) == sorted(n for n, _ in model.named_parameters())  # each parameter in one unit
+
+
 def test_levers_name_what_is_on_and_refuse_what_cannot_apply():
     assert train.Levers().label == str(train.Levers()) == "baseline"
     both = train.Levers(checkpoint=True, autocast=torch.bfloat16, param_dtype=torch.bfloat16,
@@ -169,13 +181,13 @@ device = sl.launch.default_device()
 mesh = sl.build_mesh(ddp=-1, domain=1)
 path = sys.argv[1]
 result = {}
-for how in ("ddp", "fsdp2"):
-    trainer = sl.train.Trainer(sl.models.conv_stack(seed=0).to(device), mesh, how)
+for how, model in (("ddp", sl.models.conv_stack), ("fsdp2", sl.models.conv_stack), ("fsdp2 unet", sl.models.unet)):
+    trainer = sl.train.Trainer(model(seed=0).to(device), mesh, how.split()[0])
     for _ in range(2):
         trainer.step()
     sl.train.save_checkpoint(trainer, path)
     uninterrupted = [trainer.step() for _ in range(2)]
-    fresh = sl.train.Trainer(sl.models.conv_stack(seed=99).to(device), mesh, how)
+    fresh = sl.train.Trainer(model(seed=99).to(device), mesh, how.split()[0])
     sl.train.load_checkpoint(fresh, path)
     result[how] = {"resumed": [fresh.step() for _ in range(2)], "uninterrupted": uninterrupted,
                    "steps_done": fresh.steps_done}

@@ -116,15 +116,24 @@ def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
 
 def fsdp_units(model) -> list[tuple[torch.nn.Module, list[str]]]:
     """The modules ``wrap(..., "fsdp2")`` gives ``fully_shard``, each with the names (relative to it) of the
-    parameters it manages: every child with a trainable parameter, then the root with whatever is left.
+    parameters it manages: every child with a trainable parameter (the children of a container with no forward of its
+    own, such as a ``ModuleList``, which ``fully_shard`` refuses), then the root with whatever is left.
 
     Works on the model before and after wrapping (``fully_shard`` keeps the module tree and the names)."""
-    units, taken = [], set()
-    for name, child in model.named_children():
-        if any(p.requires_grad for p in child.parameters()):
-            units.append((child, [n for n, _ in child.named_parameters()]))
-            taken.add(name)
-    rest = [n for n, _ in model.named_parameters() if n.split(".", 1)[0] not in taken]
+    units, taken = [], []
+
+    def visit(module, prefix):
+        for name, child in module.named_children():
+            if not any(p.requires_grad for p in child.parameters()):
+                continue
+            if type(child).forward is torch.nn.Module.forward:  # a container: its children run, not it
+                visit(child, f"{prefix}{name}.")
+            else:
+                units.append((child, [n for n, _ in child.named_parameters()]))
+                taken.append(f"{prefix}{name}.")
+
+    visit(model, "")
+    rest = [n for n, _ in model.named_parameters() if not n.startswith(tuple(taken))]
     return [*units, (model, rest)]
 
 
@@ -231,12 +240,19 @@ class Trainer:
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
                 "steps_done": self.steps_done, "losses": list(self.losses), "how": self.how}
 
-    def load_full_state(self, state: dict) -> None:
-        """Inverse of ``full_state``: every rank passes the same full state; shards are cut as needed."""
-        options = StateDictOptions(full_state_dict=True)
+    def load_full_state(self, state: dict | None) -> None:
+        """Inverse of ``full_state``, a collective over every rank: global rank 0 passes the full state, the others
+        None. Rank 0 broadcasts it tensor by tensor (``broadcast_from_rank0``) and each rank keeps what it holds: its
+        FSDP2 shard, or all of it under DDP."""
+        rank_0 = dist.get_rank() == 0
+        if not rank_0:
+            state = {"model": {}, "optimizer": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        self.steps_done, self.losses = state["steps_done"], list(state["losses"])
+        box = [(state["steps_done"], list(state["losses"])) if rank_0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.steps_done, self.losses = box[0][0], list(box[0][1])
 
 
 @dataclass
@@ -265,11 +281,10 @@ def save_checkpoint(trainer: Trainer, path) -> None:
 
 
 def load_checkpoint(trainer: Trainer, path) -> None:
-    """Rank 0 reads the file and broadcasts it; every rank loads the same full state."""
-    # Read into host memory: set_*_state_dict puts each tensor on the device of the parameter it fills.
-    box = [torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None]  # CPU-only
-    dist.broadcast_object_list(box, src=0)
-    trainer.load_full_state(box[0])
+    """Rank 0 alone reads the file; ``load_full_state`` broadcasts it (a collective: every rank calls it)."""
+    # Read into host memory: set_*_state_dict moves each tensor to the device of the parameter it fills.
+    state = torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None  # CPU-only
+    trainer.load_full_state(state)
 
 
 def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None,
