@@ -1,15 +1,49 @@
 # Two commands for learners: `make lab` (open the series) and `make test` (run every test).
 # Both create the environment in .venv when it is missing or when the lock (requirements.txt) changed.
 # Versions: edit requirements.in, then `make lock` regenerates requirements.txt (every package, with hashes).
-# Neither changes anything outside the checkout and the temp folder; `make test-system` is the command that may set
-# this machine up for the Slurm, MPICH and browser tests (as root: apt-get, /etc/slurm, /etc/munge, daemons).
+# Neither changes anything outside the checkout and the temp folder (what Jupyter & co. keep goes to .state/, below);
+# `make test-system` is the command that may set this machine up for the Slurm, MPICH and browser tests (as root:
+# apt-get, /etc/slurm, /etc/munge, daemons), and `make kernel-user` the one that writes into the home folder.
+ROOT   := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 PYTHON ?= python3
 VENV   ?= .venv
 KERNEL := shardlab
 KERNEL_NAME := Python (shardlab: PhysicsNeMo distributed)
 STAMP  := $(VENV)/.installed
-# Extra options for `jupyter lab`, e.g. LAB_ARGS="--ip=0.0.0.0 --no-browser" in a container (container/).
+# `make lab PORT=8899 IP=0.0.0.0 BROWSER=no`: JupyterLab's port (taken as given, never another one: what an
+# `ssh -L` forwards), address (default: this machine only) and no browser opened. Only values given on make's command
+# line count: BROWSER and PORT in the environment usually mean something else. Any other options: LAB_ARGS.
 LAB_ARGS ?=
+from_command_line = $(if $(filter command line,$(origin $(1))),$($(1)))
+LAB_OPTIONS = $(if $(call from_command_line,PORT),--ServerApp.port=$(PORT) --ServerApp.port_retries=0) \
+	$(if $(call from_command_line,IP),--ServerApp.ip=$(IP)) $(if $(filter no,$(call from_command_line,BROWSER)),--no-browser)
+# What `make env` says before it installs: measured with `du -sh .venv` and the time of a `make env` (pip on a
+# 2-core machine with the packages in a local index; downloading them comes on top and depends on the network).
+VENV_SIZE := 6.7 GB
+VENV_TIME := 100 s
+comma := ,
+
+# Everything make starts (pip, JupyterLab, its kernels and their ranks, the tests) keeps what Jupyter, JupyterLab,
+# IPython, matplotlib, Warp, Triton, CUDA, pip, uv and npm would write into the home folder in .state/ (ignored by git): config,
+# settings, workspaces, kernel connection files, history, font and kernel caches, downloaded wheels, npm's logs. No
+# XDG_* variable is set: the browser JupyterLab opens would take them too (a new, empty browser profile). The kernel
+# spec stays in .venv (--sys-prefix), which Jupyter searches whatever its data folder is.
+STATE := $(ROOT)/.state
+# The user's own JUPYTER_DATA_DIR (where `make kernel-user` installs), before it is pointed into .state.
+USER_JUPYTER_DATA_DIR := $(if $(filter environment,$(origin JUPYTER_DATA_DIR)),$(JUPYTER_DATA_DIR))
+export JUPYTER_CONFIG_DIR        := $(STATE)/jupyter/config# ~/.jupyter: jupyter_core's jupyter_config_dir()
+export JUPYTER_DATA_DIR          := $(STATE)/jupyter/data# ~/.local/share/jupyter: jupyter_data_dir()
+export JUPYTER_RUNTIME_DIR       := $(STATE)/jupyter/runtime# connection files, server info: jupyter_runtime_dir()
+export JUPYTERLAB_SETTINGS_DIR   := $(STATE)/jupyter/lab/user-settings# JupyterLab's settings (~/.jupyter/lab/...)
+export JUPYTERLAB_WORKSPACES_DIR := $(STATE)/jupyter/lab/workspaces# JupyterLab's open tabs and layout
+export IPYTHONDIR                := $(STATE)/ipython# ~/.ipython: profile_default, history.sqlite
+export MPLCONFIGDIR              := $(STATE)/matplotlib# ~/.config/matplotlib and ~/.cache/matplotlib (font cache)
+export WARP_CACHE_PATH           := $(STATE)/warp# ~/.cache/warp: NVIDIA Warp's compiled kernels (PhysicsNeMo)
+export TRITON_HOME               := $(STATE)/triton# ~/.triton (cache, dump): Triton's, torch.compile on GPUs
+export CUDA_CACHE_PATH           := $(STATE)/nv/ComputeCache# ~/.nv/ComputeCache: the CUDA driver's JIT cache
+export PIP_CACHE_DIR             := $(STATE)/pip# ~/.cache/pip: downloaded wheels (delete it any time)
+export UV_CACHE_DIR              := $(STATE)/uv# ~/.cache/uv: `make lock`
+export npm_config_cache          := $(STATE)/npm# ~/.npm: the `npm` JupyterLab asks, and its _logs
 # Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.warm; README "Ranks
 # ready without the wait"); 0: every notebook starts and stops ranks of its own.
 SHARDLAB_KEEP_WARM ?= 900
@@ -17,9 +51,21 @@ SHARDLAB_KEEP_WARM ?= 900
 # ipykernel's installer leaves an empty tmp*_kernels folder in the temp folder at every install (ipykernel 7.4:
 # install() removes the spec it wrote, not the folder it made for it), so it gets a temp folder of its own.
 # tests/test_workarounds.py says when that is no longer needed.
+# $(2): what to change in its environment (`make kernel-user`: the user's own JUPYTER_DATA_DIR, not .state's).
 define install_kernel
-	scratch=$$(mktemp -d) && TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel install $(1) --name $(KERNEL) \
+	scratch=$$(mktemp -d) && env $(2) TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel install $(1) --name $(KERNEL) \
 		--display-name "$(KERNEL_NAME)"; status=$$?; rm -rf "$$scratch"; exit $$status
+endef
+
+# JupyterLab's settings that differ from its defaults for the series (lab-config/overrides.json: no "Would you like
+# to get notified about official Jupyter news?" pop-up), as the overrides of the JupyterLab that .venv runs. Written
+# only where that JupyterLab's folder is inside .venv (in the container it may be the container's own: left alone).
+define install_lab_settings
+	@$(VENV)/bin/python -c 'import pathlib, shutil, sys; from jupyterlab.commands import get_app_dir; \
+	app = pathlib.Path(get_app_dir()); inside = app.is_relative_to(pathlib.Path(sys.prefix).resolve()); \
+	inside and (app / "settings").mkdir(parents=True, exist_ok=True); \
+	inside and shutil.copyfile("lab-config/overrides.json", app / "settings" / "overrides.json"); \
+	inside or print(f"make: JupyterLab settings in {app} are not $(VENV)'"'"'s: left as they are", file=sys.stderr)'
 endef
 
 # The lock is made by uv, installed into its own throwaway venv (never into .venv).
@@ -41,25 +87,42 @@ CHECK_PYTHON   = found=$$($(PYTHON) -c 'import platform, sys; print("Python", pl
 	"PYTHON=python3.11 (or PYTHON=/path/to/python3.11)." >&2; exit 1; }
 # A .venv without its stamp is what a failed install left: it is made again from scratch, never reused. The stamp
 # is removed before an update and written last, so a complete .venv whose update fails is not reused either.
+# $(2): what a new .venv costs, said before it is made (an update of one says nothing).
 define fresh_venv
 	@if [ -e $(VENV) ] && [ ! -e $(STAMP) ]; then \
 		echo "make: $(VENV) is incomplete (an earlier install did not finish): making it again" >&2; rm -rf $(VENV); fi
 	@rm -f $(STAMP)
-	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); $(PYTHON) -m venv $(1) $(VENV); }
+	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); echo "make: $(2)"; $(PYTHON) -m venv $(1) $(VENV); }
 endef
 
-.PHONY: lab test test-fast test-system gpu-check lint handout env lock clean-env kernel-user slurm-start slurm-stop
+.PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout env lock clean-env \
+	kernel-user slurm-start slurm-stop
 
-# JupyterLab runs with a pool of warm ranks of its own, stopped when it exits.
+# The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
+# `make handout` writes; `make lab-handout` builds it, then opens it).
+LAB_DIR ?= notebooks
+HANDOUT_DIR := build/handout
+
+# JupyterLab runs with a pool of warm ranks of its own, stopped when it exits (Ctrl-C twice). Its kernels talk to it
+# over CurveZMQ (transport_encryption=auto: the kernel spec declares curve), as the kernels talk to their ranks.
 lab: $(STAMP)
 	$(VENV)/bin/python -m shardlab.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
-		$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
+		--KernelManager.transport_encryption=auto $(LAB_ARGS)
 
-# The kernel spec in ~/.local/share/jupyter/kernels, where any Jupyter server of this user finds it: a JupyterHub
-# single-user server, or a JupyterLab not started from .venv. It runs .venv's Python (absolute path).
+# The folders of .state/ that make exports, one `NAME=value` a line (tests/test_home.py runs with them).
+print-env:
+	@$(foreach v,JUPYTER_CONFIG_DIR JUPYTER_DATA_DIR JUPYTER_RUNTIME_DIR JUPYTERLAB_SETTINGS_DIR \
+		JUPYTERLAB_WORKSPACES_DIR IPYTHONDIR MPLCONFIGDIR WARP_CACHE_PATH TRITON_HOME CUDA_CACHE_PATH PIP_CACHE_DIR \
+		UV_CACHE_DIR npm_config_cache,\
+		echo '$(v)=$($(v))';)
+
+# The kernel spec in ~/.local/share/jupyter/kernels (or the user's own JUPYTER_DATA_DIR), where any Jupyter server of
+# this user finds it: a JupyterHub single-user server, or a JupyterLab not started from .venv. It runs .venv's Python
+# (absolute path). The one command that writes into the home folder.
 kernel-user:
 	@test -x $(VENV)/bin/python || { echo "no $(VENV) yet: run make env first" >&2; exit 1; }
-	$(call install_kernel,--user)
+	$(call install_kernel,--user,$(if $(USER_JUPYTER_DATA_DIR),JUPYTER_DATA_DIR=$(USER_JUPYTER_DATA_DIR),-u JUPYTER_DATA_DIR))
 
 # A single-node Slurm (and MPICH) on this machine, as root, for the Slurm tests and to try the Slurm recipe.
 slurm-start:
@@ -89,7 +152,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 handout: $(STAMP)
-	$(VENV)/bin/python -m shardlab.handout notebooks build/handout
+	$(VENV)/bin/python -m shardlab.handout notebooks $(HANDOUT_DIR)
+
+# The handout as learners get it, in JupyterLab.
+lab-handout: handout
+	$(MAKE) --no-print-directory lab LAB_DIR=$(HANDOUT_DIR)
+
+# The morning of a workshop (INSTRUCTORS.md): the environment, notebooks 00 and 02, a GPU node's quick rows, in at
+# most 5 minutes; ends with "ready" or what to fix. An environment to update is reported, not rebuilt.
+morning:
+	@test -x $(VENV)/bin/python || { echo "make morning: no $(VENV) yet: make env (or make lab) creates it" >&2; \
+		exit 1; }
+	$(VENV)/bin/python -m shardlab.morning
 
 env: $(STAMP)
 
@@ -97,22 +171,32 @@ ifeq ($(SHARDLAB_CONTAINER),1)
 # Inside a container that brings PyTorch, PhysicsNeMo and an MPI (the NGC PhysicsNeMo image, container/): .venv
 # sees the container's packages, and only what the container lacks is added, under constraints that pin every
 # package the container has, so torch and its CUDA build are never replaced.
-$(STAMP): container/requirements.txt helpers/pyproject.toml
-	$(call fresh_venv,--system-site-packages)
+$(STAMP): container/requirements.txt helpers/pyproject.toml $(wildcard lab-config/overrides.json)
+	$(call fresh_venv,--system-site-packages,adding what the container lacks in $(VENV) (it sees the container's \
+		packages; pip's output below))
 	$(VENV)/bin/python -m pip freeze --all > $(VENV)/container-constraints.txt
-	$(VENV)/bin/python -m pip install --quiet -c $(VENV)/container-constraints.txt -r container/requirements.txt
+	$(VENV)/bin/python -m pip install -c $(VENV)/container-constraints.txt -r container/requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
 	$(call install_kernel,--sys-prefix)
+	$(install_lab_settings)
 	@touch $(STAMP)
 else
 # The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
-$(STAMP): requirements.txt helpers/pyproject.toml
-	$(call fresh_venv)
+$(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/overrides.json)
+	$(call fresh_venv,,installing the series into $(VENV): about $(VENV_SIZE) on disk$(comma) and about $(VENV_TIME) of \
+		pip on a 2-core machine when the packages are at hand; downloading them comes on top and depends on the network.)
+	@echo "[1/4] pip itself"
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt
+	@echo "[2/4] the locked packages, hash-checked (requirements.txt; pip's progress below: what it collects and" \
+		"downloads, then the install, where torch and the NVIDIA libraries take most of the time)"
+	$(VENV)/bin/python -m pip install --require-hashes -r requirements.txt
+	@echo "[3/4] the series' helpers (shardlab, editable)"
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
+	@echo "[4/4] the \"$(KERNEL_NAME)\" kernel and JupyterLab's settings, in $(VENV)"
 	$(call install_kernel,--sys-prefix)
+	$(install_lab_settings)
 	@touch $(STAMP)
+	@echo "make: $(VENV) is ready ($$(du -sh $(VENV) | cut -f1) on disk)"
 endif
 
 lock:
