@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -68,7 +69,9 @@ def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env:
     their own; a run that leaves files in it fails. The kernel gets the session's pool of warm clusters
     (conftest.py): its ``sl.start_cluster()`` attaches to the ranks the previous notebook parked, reset."""
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab",
+    # CurveZMQ between this process and the kernel, as `make lab` has it: the kernel then prints no warning about TCP.
+    km = KernelManager(kernel_name="shardlab", transport_encryption="auto")
+    client = NotebookClient(nb, km=km, timeout=timeout_s, kernel_name="shardlab",
                             resources={"metadata": {"path": str(path.parent)}})
     run = NotebookRun(path)
     env = os.environ if env is None else env

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import psutil
@@ -122,8 +123,10 @@ def test_engine_ids_that_are_not_ranks_are_refused():
 
 
 @pytest.mark.multirank
-def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
+def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsys):
     with sl.MPICluster(n=2, device="cpu") as cluster:
+        # Outside a notebook and a terminal (a log, a pipe), only what the start did: no line per registered rank.
+        assert re.fullmatch(r"started 2 CPU ranks in \d+\.\d s\n", capsys.readouterr().out)
         assert [s["rank"] for s in cluster.states] == [0, 1]
         assert {s["backend"] for s in cluster.states} == {"gloo"}
         assert cluster.view.block is True
@@ -144,6 +147,7 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers):
         for path in connection_files:
             assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
             assert json.loads(path.read_text()).get("curve_serverkey"), "CurveZMQ is off"
+            assert len(json.loads(path.read_text())["key"]) == 64, "message signing is off"
             assert json.loads(path.read_text())["interface"] == "tcp://127.0.0.1"
         # And the controller really listens on loopback only, whatever its files say.
         controller = psutil.Process(next(row["pid"] for row in cluster.memory() if row["process"] == "controller"))

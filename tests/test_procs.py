@@ -153,6 +153,21 @@ def test_a_process_group_that_finishes_gives_its_exit_code_and_output():
     assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
 
 
+
+def test_a_detached_child_is_reaped_when_it_exits_not_left_defunct(tmp_path):
+    """A parked cluster's keeper is such a child: it exits when another kernel claims the cluster, while the kernel
+    that started it runs on. Nothing of it may stay in the process table, not even a <defunct> entry."""
+    go = tmp_path / "go"
+    pid, created = procs.start_detached([sys.executable, "-c", f"import os, time\nwhile not os.path.exists("
+                                         f"{str(go)!r}): time.sleep(0.05)"], dict(os.environ))
+    assert procs.same_process(pid, created) is not None
+    assert psutil.Process(pid).ppid() == os.getpid() and os.getsid(pid) == pid  # a session of its own
+    go.touch()
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid), f"{pid} is {psutil.Process(pid).status()}, still a child of this process"
+
 # -- profile folders elsewhere (a folder every node of a Slurm job reads) ------------------------------------
 
 

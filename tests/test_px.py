@@ -1,9 +1,11 @@
 """%%px wiring: reading a failed cell's errors per rank and summarising them, on hand-made inputs. The live cell
 deadline and summary: tests/test_faults.py and notebook 08."""
 
+import io
+import sys
 from types import SimpleNamespace
 
-from shardlab.px import rank_errors, summarize_rank_errors
+from shardlab.px import StatusLine, rank_errors, summarize_rank_errors
 
 GLOO_TIMEOUT = (
     "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
@@ -49,3 +51,24 @@ def test_gloo_source_prefix_is_dropped():
     message = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
     expected = "rank 0: RuntimeError: Timed out waiting 10000ms"
     assert summarize_rank_errors([(0, "RuntimeError", message)], [0])[0] == expected
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_status_line_rewrites_itself_on_a_terminal_and_prints_only_the_last_text_elsewhere(monkeypatch, capsys):
+    status = StatusLine()  # captured output is no terminal: what a log file or a pipe gets
+    for text in ("starting 2 ranks: 0 of 2 registered", "starting 2 ranks: 2 of 2 registered"):
+        status.update(text)
+    status.done("started 2 CPU ranks in 1.0 s")
+    assert capsys.readouterr().out == "started 2 CPU ranks in 1.0 s\n"
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    status = StatusLine()
+    status.update("starting 2 ranks: 1 of 2 registered")
+    status.update("starting 2 ranks: 1 of 2 registered")  # unchanged: not written again
+    status.done("started 2 ranks")  # shorter: blanks what is left of the longer line
+    assert terminal.getvalue() == "\rstarting 2 ranks: 1 of 2 registered\r" + "started 2 ranks".ljust(35) + "\n"

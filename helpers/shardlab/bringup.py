@@ -7,7 +7,9 @@ engines is ``engines``' business; what a rank runs to initialise or reset itself
 from __future__ import annotations
 
 import os
+import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ipyparallel as ipp
@@ -25,6 +27,13 @@ from .px import ClusterError, wait_for
 HEARTBEAT_MS, HEARTBEAT_MISSES = 1000, 30
 CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
                    f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+# Message signing on top of CurveZMQ. With CurveZMQ on, ipyparallel's controller sets an empty Session key unless one
+# is given, and then every kernel and engine that connects warns "Message signing is disabled. This is insecure and
+# not recommended!". A key of each cluster's own keeps both: CurveZMQ encrypts and authenticates every connection,
+# HMAC-SHA256 signs every message. The controller takes it from its environment (IPP_SESSION_KEY: never a command
+# line, which every user of the node can read) and writes it into the connection files in the owner-only profile
+# folder, where the engines, this kernel's client and a kernel that takes a parked cluster over read it.
+SESSION_KEY = "IPP_SESSION_KEY"
 
 
 def check_engine_ids(ids: list[int], ranks: list[int]) -> None:
@@ -83,24 +92,28 @@ def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, co
     options["environment"] |= pooled
     cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
                           controller_ip=controller_ip, controller_args=CONTROLLER_ARGS, log_level=40)
-    cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1"} | procs.marked_environment()
-                                                          | pooled)
+    cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
+                                                          | procs.marked_environment() | pooled)
     return cluster, record, options
 
 
 def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Record, n: int, options: dict,
-             timeout_s: float, start_timeout_s: float):
+             timeout_s: float, start_timeout_s: float, say: Callable[[str], None] = lambda text: None):
     """Start ``cluster``'s controller and ``n`` engines, wait for them to register and initialise every rank, adding
     each process to ``record`` as soon as it exists (a crash from here on is cleaned up by the next start):
-    (Client, blocking view, every rank's state, timings)."""
+    (Client, blocking view, every rank's state, timings). ``say`` is told how far the start is, in a few words."""
     t0 = time.perf_counter()
+    say(f"starting {n} ranks: the controller")
     cluster.start_controller_sync()
     cluster.start_engines_sync(n=n, **options)
     launcher.started(cluster.engines.values())
     record_started(record, launcher, cluster, [])
     client = cluster.connect_client_sync()
     try:
-        launcher.wait_for_engines(client, start_timeout_s)
+        launcher.wait_for_engines(client, start_timeout_s, lambda count: say(f"starting {n} ranks: {count} of {n} "
+                                                                             "registered"))
+        say(f"starting {n} ranks: {n} of {n} registered; each imports PyTorch and PhysicsNeMo and joins the "
+            "process group")
         record_started(record, launcher, cluster, [])
         registered = time.perf_counter() - t0
         view = client[:]

@@ -35,7 +35,7 @@ from . import launch, procs, warm
 from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
 from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
 from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
-from .px import ClusterError, PxCells, wait_for
+from .px import ClusterError, PxCells, StatusLine, wait_for
 
 START_TIMEOUT_S = 120.0
 
@@ -139,7 +139,8 @@ class MPICluster:
 
     def start(self, attach: bool = True) -> MPICluster:
         """Start the ranks; in a pool (``keep_warm``), claim and reset a parked cluster of this shape instead,
-        unless ``attach`` is False."""
+        unless ``attach`` is False. Says what it did in one line: "started 4 CPU ranks in 11.9 s" (counting the ranks
+        as they register meanwhile, ``px.StatusLine``) or "took over 4 warm CPU ranks ..., reset in 3.3 s"."""
         procs.clean_stale_clusters()
         if self.pool is not None:
             if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
@@ -150,16 +151,18 @@ class MPICluster:
                                                        self.controller_ip, self.shared_dir, self.pool)
         if note := self.engine_launcher.note():
             print(note)
-        t0 = time.perf_counter()
+        t0, status = time.perf_counter(), StatusLine()
         atexit.register(self.stop)
         try:
             up = bring_up(self._cluster, self.engine_launcher, self._record, self.n, options, self.timeout_s,
-                          self.start_timeout_s)
+                          self.start_timeout_s, status.update)
             self.client, self.view, self.states, self.timings = up
         except BaseException:
+            status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the error")
             self.stop()
             raise
         self.start_seconds = time.perf_counter() - t0
+        status.done(f"started {self.placement.label} in {self.start_seconds:.1f} s")
         return self
 
     def _free_gpus(self) -> None:
@@ -189,6 +192,8 @@ class MPICluster:
             return False
         atexit.register(self.stop)
         self.attached, self.view, self.start_seconds = True, view, time.perf_counter() - t0
+        StatusLine().done(f"took over {self.n} warm {self.device.upper()} rank{'s' if self.n > 1 else ''} from a "
+                          f"previous notebook, reset in {self.start_seconds:.1f} s")
         return True
 
     def wait(self, async_result, timeout_s: float, what: str, view=None):

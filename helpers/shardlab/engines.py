@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
@@ -133,16 +133,22 @@ class EngineLauncher:
                 pass
         return "\n".join(o for o in out if o).strip()[-3000:]
 
-    def wait_for_engines(self, client, timeout_s: float) -> None:
-        """Wait until all n engines registered with ``client``; else a ClusterError with what the launcher said."""
-        deadline = time.monotonic() + timeout_s
+    def wait_for_engines(self, client, timeout_s: float, registered: Callable[[int], None] | None = None) -> None:
+        """Wait until all n engines registered with ``client``; else a ClusterError with what the launcher said.
+        ``registered``: called with how many have, at the start and whenever that number changes."""
+        deadline, count = time.monotonic() + timeout_s, None
         try:
             # In short waits: wait_for_engines notices an engine set that stops while it waits, but not one that
-            # stopped before it began (a launcher that fails at once), so each round also asks the launcher.
+            # stopped before it began (a launcher that fails at once), so each round also asks the launcher; and
+            # each round says how many engines registered so far.
             while True:
+                if registered is not None and count != (count := len(client.ids)):
+                    registered(count)
                 try:
-                    client.wait_for_engines(self.n, timeout=min(2.0, max(0.0, deadline - time.monotonic())),
+                    client.wait_for_engines(self.n, timeout=min(0.5, max(0.0, deadline - time.monotonic())),
                                             interactive=False)
+                    if registered is not None and count != self.n:
+                        registered(self.n)
                     return
                 except TimeoutError:
                     if (stopped := self.exited()) or time.monotonic() >= deadline:

@@ -24,6 +24,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -181,6 +182,18 @@ def run_process_group(cmd: list[str], env: dict[str, str], timeout_s: float, wha
                                f"it started were stopped. The command was: {' '.join(cmd)}") from None
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout or "", stderr or "")
+
+
+def start_detached(cmd: list[str], env: dict[str, str]) -> tuple[int, float]:
+    """Start ``cmd`` in a session of its own (Ctrl-C and the end of this process do not reach it), its output
+    discarded; (pid, creation time). A thread of this process waits for it: a child that exits while its parent
+    lives stays a ``<defunct>`` entry in the process table until the parent reaps it (a parked cluster's keeper
+    exits as soon as another kernel claims the cluster, and the kernel that parked it may run for hours)."""
+    child = subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    created = psutil.Process(child.pid).create_time()  # before the wait: until reaped, the pid stays this child's
+    threading.Thread(target=child.wait, name=f"reap(pid={child.pid})", daemon=True).start()
+    return child.pid, created
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:

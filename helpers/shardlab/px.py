@@ -1,4 +1,5 @@
-"""``%%px`` wiring: blocking cells on every rank, a deadline per cell, and a per-rank summary of a failed cell.
+"""``%%px`` wiring: blocking cells on every rank, a deadline per cell, and a per-rank summary of a failed cell; the
+line a cluster's start shows while it runs (``StatusLine``).
 
 ``MPICluster.activate`` uses these; notebook 08 reads a failed cell's errors with ``rank_errors``. No shardlab
 imports. Introduced in ``notebooks/01_launchers.ipynb``.
@@ -7,10 +8,12 @@ imports. Introduced in ``notebooks/01_launchers.ipynb``.
 from __future__ import annotations
 
 import re
+import sys
 
 import ipyparallel as ipp
 from ipyparallel.error import AlreadyDisplayedError, CompositeError
 from IPython import get_ipython
+from IPython.display import display
 
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(cc|cpp|h):\d+\] ")
@@ -129,3 +132,35 @@ class PxCells:
         if self._previous is not None:
             self.shell.custom_exceptions, self.shell.CustomTB = self._previous
             self._previous = None
+
+
+class StatusLine:
+    """One line that a long step (a cluster's start) rewrites as it goes, ending with what the step did. In a notebook,
+    one output updated in place: also when nbmake runs it, the notebook keeps the last text only. On a terminal, a
+    line rewritten with a carriage return. Anywhere else (a pipe, a log file), only the last text: a run nobody
+    watches is not flooded with steps."""
+
+    def __init__(self):
+        self._in_kernel = getattr(get_ipython(), "kernel", None) is not None
+        self._on_terminal = not self._in_kernel and sys.stdout.isatty()
+        self._handle, self._shown = None, ""
+
+    def update(self, text: str) -> None:
+        if text == self._shown:
+            return
+        if self._in_kernel:
+            if self._handle is None:
+                self._handle = display({"text/plain": text}, raw=True, display_id=True)
+            else:
+                self._handle.update({"text/plain": text}, raw=True)
+        elif self._on_terminal:
+            print(f"\r{text:<{len(self._shown)}}", end="", flush=True)
+        self._shown = text
+
+    def done(self, text: str) -> None:
+        """The last text, on a line of its own: what the step did."""
+        if self._in_kernel:
+            self.update(text)
+        else:
+            print(f"\r{text:<{len(self._shown)}}" if self._on_terminal else text, flush=True)
+            self._shown = ""

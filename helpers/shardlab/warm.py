@@ -178,10 +178,8 @@ def park(pool: Pool, record: procs.Record, shape: dict) -> None:
     parked = Parked(str(pool.folder / f"{record.cluster_id}{PARKED}"), record.cluster_id, shape,
                     [me.pid, me.create_time()], time.time() + pool.idle_s, [])
     parked.save()
-    keeper = subprocess.Popen([sys.executable, "-m", "shardlab.warm", "keep", parked.path], start_new_session=True,
-                              env=os.environ | pool.marked_environment(), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    keeper_id = [keeper.pid, psutil.Process(keeper.pid).create_time()]
+    keeper_id = list(procs.start_detached([sys.executable, "-m", "shardlab.warm", "keep", parked.path],
+                                          os.environ | pool.marked_environment()))
     record.owner_pid, record.owner_created = keeper_id
     record.save()
     parked.keeper = keeper_id
