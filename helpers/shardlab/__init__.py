@@ -16,8 +16,9 @@ checks every import, including those inside functions, against this list.
 6. ``cluster`` (the ipyparallel cluster behind ``%%px``), ``check`` (exercise checks), ``plan`` (the memory
    planner; also a command-line tool)
 7. ``exercises``: the answer key, one module of judges per notebook
-8. command-line tools: ``smoke``, ``bench``, ``handout``
+8. command-line tools: ``smoke``, ``bench``, ``handout``, ``agenda`` (a workshop's agenda from INSTRUCTORS.md's times)
 9. ``gpucheck``: runs the tools above on a GPU node
+10. ``morning``: the machine check for the morning of a workshop (environment, two notebooks, GPU quick rows)
 
 Submodules load on first use: a rank that only needs ``shardlab.launch`` does not import
 matplotlib, and a notebook kernel does not import PhysicsNeMo until it asks for something that
@@ -35,8 +36,9 @@ LAYERS = (
     ("measure", "plot"),
     ("cluster", "check", "plan"),
     ("exercises",),
-    ("smoke", "bench", "handout"),
+    ("smoke", "bench", "handout", "agenda"),
     ("gpucheck",),
+    ("morning",),
 )
 _MODULES = {name for layer in LAYERS for name in layer}
 _SHORTCUTS = {
