@@ -276,21 +276,14 @@ def main(argv=None) -> int:
             write_json(json_file, 0, [])
         return 0
     print(f"# shardlab gpu-check, {time.strftime('%Y-%m-%d')}, {gpus} GPU(s)")
-    # Everything the rows start inherits an origin of this run's own: what to stop at the end, and nothing else.
-    inherited, own = os.environ.get(procs.ORIGIN), f"{procs.origin()}/gpucheck-{os.getpid()}"
     handlers = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
-    os.environ[procs.ORIGIN] = own
     try:
-        rows = checks(gpus, json_file, args.deadline_s)
+        with procs.own_origin("gpucheck"):  # what the rows start: stopped at the end, and nothing else
+            rows = checks(gpus, json_file, args.deadline_s)
     except Stopped as stopped:
         print(f"gpu-check: stopped by {stopped}; the processes it started are stopped too.", file=sys.stderr)
         return 128 + stopped.signum
     finally:
-        procs.stop(procs.leftover_processes(own))
-        if inherited is None:
-            del os.environ[procs.ORIGIN]
-        else:
-            os.environ[procs.ORIGIN] = inherited
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     print(Table(rows, ["check", "on", "status", "seconds", "result"], floatfmt=".1f", tablefmt="plain"))

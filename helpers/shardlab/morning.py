@@ -324,21 +324,14 @@ def main(argv=None) -> int:
         return run_one_step(args.step, Path(args.out) if args.out else None)
     print(f"# shardlab morning check, {time.strftime('%Y-%m-%d %H:%M')}: {len(steps())} steps, at most "
           f"{args.deadline_s:.0f} s")
-    # Everything the steps start inherits an origin of this run's own: what to stop at the end, and nothing else.
-    inherited, own = os.environ.get(procs.ORIGIN), f"{procs.origin()}/morning-{os.getpid()}"
     handler = signal.signal(signal.SIGTERM, _raise_exit)
-    os.environ[procs.ORIGIN] = own
     try:
-        results = run_steps(steps(), args.deadline_s)
+        with procs.own_origin("morning"):  # what the steps start: stopped at the end, and nothing else
+            results = run_steps(steps(), args.deadline_s)
     except KeyboardInterrupt:
         print("morning check: interrupted; the processes it started are stopped too.", file=sys.stderr)
         return 130
     finally:
-        procs.stop(procs.leftover_processes(own))
-        if inherited is None:
-            del os.environ[procs.ORIGIN]
-        else:
-            os.environ[procs.ORIGIN] = inherited
         signal.signal(signal.SIGTERM, handler)
     text, code = verdict(results)
     print(text)

@@ -17,6 +17,7 @@ folders this package created (our name prefix, ours, with the marker file writte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -130,6 +131,22 @@ def alive(processes: list[tuple[int, float]]) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+@contextlib.contextmanager
+def own_origin(name: str):
+    """Inside ``with``: everything this process starts inherits an origin of its own (this run's, ``name`` and the
+    pid: yielded), whose processes are all stopped on the way out, whatever happened; then the origin it had."""
+    inherited, own = os.environ.get(ORIGIN), f"{origin()}/{name}-{os.getpid()}"
+    os.environ[ORIGIN] = own
+    try:
+        yield own
+    finally:
+        stop(leftover_processes(own))
+        if inherited is None:
+            del os.environ[ORIGIN]
+        else:
+            os.environ[ORIGIN] = inherited
 
 
 def stop(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
