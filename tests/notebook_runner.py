@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
-from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from shardlab import procs, warm
 from shardlab.handout import SOLUTION_TAG, blank_source, wrong_answers
+from shardlab.morning import CURVE_KERNELS
 
 
 @dataclass
@@ -70,8 +70,8 @@ def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env:
     (conftest.py): its ``sl.start_cluster()`` attaches to the ranks the previous notebook parked, reset."""
     nb = nbformat.read(path, as_version=4)
     # CurveZMQ between this process and the kernel, as `make lab` has it: the kernel then prints no warning about TCP.
-    km = KernelManager(kernel_name="shardlab", transport_encryption="auto")
-    client = NotebookClient(nb, km=km, timeout=timeout_s, kernel_name="shardlab",
+    # As configuration, not a kernel manager of ours: the client then owns its manager and shuts the kernel down.
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab", config=CURVE_KERNELS,
                             resources={"metadata": {"path": str(path.parent)}})
     run = NotebookRun(path)
     env = os.environ if env is None else env

@@ -158,11 +158,12 @@ def test_a_crashed_kernels_slurm_job_is_cancelled_by_the_next_start(tmp_path, no
     kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import time, shardlab as sl
         cluster = sl.MPICluster(n=2, device="cpu", engines="slurm", controller_ip="*").start()
-        print(cluster.slurm_jobs[0], cluster.job_name, flush=True)
+        print("JOB", cluster.slurm_jobs[0], cluster.job_name, flush=True)  # after the start's own line
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
     try:
-        job, name = kernel.stdout.readline().split()
+        line = next(line for line in kernel.stdout if line.startswith("JOB "))
+        job, name = line.split()[1:]
         assert (job, name) in queue()
         kernel.kill()
         kernel.wait(10)

@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from traitlets.config import Config
+
 from . import procs
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # helpers/shardlab/morning.py in a checkout of the repository
@@ -41,6 +43,10 @@ NOTEBOOKS = ("00_setup", "02_device_mesh")
 LIMITS_S = {"imports": 120, "00_setup": 150, "02_device_mesh": 210, "gpu": 240}
 DEADLINE_S = 300
 KERNEL_START_S = 60
+# CurveZMQ between a notebook client and its kernel, as `make lab` has it (the kernel spec declares curve): the kernel
+# prints no warning about TCP. Configuration, not a kernel manager of ours: nbclient shuts down only a kernel whose
+# manager it made itself.
+CURVE_KERNELS = Config({"KernelManager": {"transport_encryption": "auto"}})
 MIN_STEP_S = 20  # a step given less than this is not started
 GPU_ROWS = {"smoke": 120, "tf32-error": 120}  # gpu-check's quick rows, and the budget each gets here
 OK, SKIPPED, FAILED = "ok", "skipped", "FAILED"
@@ -152,7 +158,6 @@ def step_notebook(path: Path, limit_s: float) -> Result:
     learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs) is
     stopped and named."""
     import nbformat
-    from jupyter_client import KernelManager
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -160,9 +165,9 @@ def step_notebook(path: Path, limit_s: float) -> Result:
 
     nb = nbformat.read(path, as_version=4)
     ends = time.monotonic() + limit_s - 20  # the last 20 s: for the kernel's stop and the report
-    km = KernelManager(kernel_name=KERNEL, transport_encryption="auto")  # CurveZMQ, as `make lab` has it
-    client = NotebookClient(nb, km=km, timeout=int(limit_s), startup_timeout=min(KERNEL_START_S, int(limit_s) // 2),
-                            kernel_name=KERNEL, resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=int(limit_s), startup_timeout=min(KERNEL_START_S, int(limit_s) // 2),
+                            kernel_name=KERNEL, config=CURVE_KERNELS,
+                            resources={"metadata": {"path": str(path.parent)}})
     see = f"open {path.parent.name}/{path.name} in `make lab` and run it to see the whole error"
     index = None
     with tempfile.TemporaryDirectory(prefix=f"morning-{path.stem}-", ignore_cleanup_errors=True) as temp_folder:
