@@ -116,8 +116,9 @@ def test_make_morning_runs_this_check_with_the_venvs_python():
 @pytest.mark.notebook
 def test_the_morning_check_says_ready_on_this_machine(no_leftovers):
     """The real check, as `make morning` runs it: 00 and 02 on ranks, no GPU here (about 1.5-2 minutes on 2 cores)."""
+    # 2 ranks: beside another test's 8 ranks on 2 cores, the default 4 made that test's start outlast its wait.
     proc = subprocess.run([sys.executable, "-m", "shardlab.morning"], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], env=os.environ | {"SHARDLAB_RANKS": "2"})
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-1] == "ready", proc.stdout[-3000:] + proc.stderr[-2000:]
     for step in ("environment", "notebook 00_setup", "notebook 02_device_mesh", "GPUs"):
