@@ -268,7 +268,7 @@ class SavedActivations:
             self._excluded.pop(ptr, None)
 
     def _pack(self, t):
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = _local(t)
         key = (local.data_ptr(), tuple(local.shape))
         if local.data_ptr() not in self._excluded and key not in self._seen:
             self._seen.add(key)
