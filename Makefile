@@ -17,11 +17,11 @@ LAB_ARGS ?=
 from_command_line = $(if $(filter command line,$(origin $(1))),$($(1)))
 LAB_OPTIONS = $(if $(call from_command_line,PORT),--ServerApp.port=$(PORT) --ServerApp.port_retries=0) \
 	$(if $(call from_command_line,IP),--ServerApp.ip=$(IP)) $(if $(filter no,$(call from_command_line,BROWSER)),--no-browser)
-# What `make env` says before it installs: measured with `du -sh .venv` and the time of a `make env` (pip on a
-# 2-core machine with the packages in a local index; downloading them comes on top and depends on the network).
-VENV_SIZE := 6.7 GB
-VENV_TIME := 100 s
-comma := ,
+# What `make env` says before it installs: the last measured size and install time, as `make timings` wrote them.
+VENV_SIZE := $(shell sed -n 's/^- `\.venv` on disk: \([0-9.]* [kMGT]*B\)$$/\1/p' docs/timings.md 2>/dev/null)
+VENV_TIME := $(shell sed -n 's/^- a fresh `make env`: \([0-9.]* [a-z]*\) .*/\1/p' docs/timings.md 2>/dev/null)
+# The JUnit XML of `make test` and `make test-fast`, which `make timings` reads.
+JUNIT_DIR := test-artifacts/junit
 
 # Everything make starts (pip, JupyterLab, its kernels and their ranks, the tests) keeps what Jupyter, JupyterLab,
 # IPython, matplotlib, Warp, Triton, CUDA, pip, uv and npm would write into the home folder in .state/ (ignored by git): config,
@@ -44,8 +44,8 @@ export CUDA_CACHE_PATH           := $(STATE)/nv/ComputeCache# ~/.nv/ComputeCache
 export PIP_CACHE_DIR             := $(STATE)/pip# ~/.cache/pip: downloaded wheels (delete it any time)
 export UV_CACHE_DIR              := $(STATE)/uv# ~/.cache/uv: `make lock`
 export npm_config_cache          := $(STATE)/npm# ~/.npm: the `npm` JupyterLab asks, and its _logs
-# Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.warm; README "Ranks
-# ready without the wait"); 0: every notebook starts and stops ranks of its own.
+# Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.ranks.warm;
+# docs/cluster.md, "Ranks ready without the wait"); 0: every notebook starts and stops ranks of its own.
 SHARDLAB_KEEP_WARM ?= 900
 
 # ipykernel's installer leaves an empty tmp*_kernels folder in the temp folder at every install (ipykernel 7.4:
@@ -92,11 +92,12 @@ define fresh_venv
 	@if [ -e $(VENV) ] && [ ! -e $(STAMP) ]; then \
 		echo "make: $(VENV) is incomplete (an earlier install did not finish): making it again" >&2; rm -rf $(VENV); fi
 	@rm -f $(STAMP)
-	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); echo "make: $(2)"; $(PYTHON) -m venv $(1) $(VENV); }
+	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); echo "make: $(2)"; $(PYTHON) -m venv $(1) $(VENV) && \
+		date +%s > $(VENV)/.install-started; }
 endef
 
 .PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout env lock clean-env \
-	kernel-user slurm-start slurm-stop
+	kernel-user slurm-start slurm-stop timings
 
 # The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
 # `make handout` writes; `make lab-handout` builds it, then opens it).
@@ -106,7 +107,7 @@ HANDOUT_DIR := build/handout
 # JupyterLab runs with a pool of warm ranks of its own, stopped when it exits (Ctrl-C twice). Its kernels talk to it
 # over CurveZMQ (transport_encryption=auto: the kernel spec declares curve), as the kernels talk to their ranks.
 lab: $(STAMP)
-	$(VENV)/bin/python -m shardlab.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
+	$(VENV)/bin/python -m shardlab.ranks.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
 		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
 		--KernelManager.transport_encryption=auto $(LAB_ARGS)
 
@@ -133,7 +134,7 @@ slurm-stop:
 # Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time). The Slurm,
 # MPICH and browser tests run where the machine has what they need, and skip with a line saying how otherwise.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist worksteal
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test.xml
 
 # `make test` that may set the machine up first (what CI does; as root): installs Debian's slurm-wlm, munge, mpich and
 # chromium where missing, writes /etc/slurm and /etc/munge, and runs a single-node Slurm for the run's duration.
@@ -142,17 +143,26 @@ test-system: test
 
 # What needs no ranks, no notebooks and no browser: the loop to run after every change (a minute or more).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -m unit -n 2
+	$(VENV)/bin/python -m pytest -m unit -n 2 --junitxml=$(JUNIT_DIR)/make-test-fast.xml
+
+# docs/timings.md rewritten from the last `make test` and `make test-fast` and the size of .venv: the one page of
+# measured times and counts, never edited by hand.
+timings:
+	@test -x $(VENV)/bin/python || { echo "make timings: no $(VENV) yet: make env (or make test) creates it" >&2; \
+		exit 1; }
+	$(VENV)/bin/python scripts/timings.py docs/timings.md
 
 # On a GPU node: what only GPUs prove (NCCL, CUDA engines, allocator peaks, compiled speed); exits 0 without a GPU.
 gpu-check: $(STAMP)
-	$(VENV)/bin/python -m shardlab.gpucheck --json test-artifacts/gpu-check.json
+	$(VENV)/bin/python -m shardlab.tools.gpucheck --json test-artifacts/gpu-check.json
 
+# ruff skips cells that start with %%px; scripts/lint_notebooks.py lints those too.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python scripts/lint_notebooks.py notebooks tests/fixtures
 
 handout: $(STAMP)
-	$(VENV)/bin/python -m shardlab.handout notebooks $(HANDOUT_DIR)
+	$(VENV)/bin/python -m shardlab.tools.handout notebooks $(HANDOUT_DIR)
 
 # The handout as learners get it, in JupyterLab.
 lab-handout: handout
@@ -163,7 +173,7 @@ lab-handout: handout
 morning:
 	@test -x $(VENV)/bin/python || { echo "make morning: no $(VENV) yet: make env (or make lab) creates it" >&2; \
 		exit 1; }
-	$(VENV)/bin/python -m shardlab.morning
+	$(VENV)/bin/python -m shardlab.tools.morning
 
 env: $(STAMP)
 
@@ -183,8 +193,8 @@ $(STAMP): container/requirements.txt helpers/pyproject.toml $(wildcard lab-confi
 else
 # The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
 $(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/overrides.json)
-	$(call fresh_venv,,installing the series into $(VENV): about $(VENV_SIZE) on disk$(comma) and about $(VENV_TIME) of \
-		pip on a 2-core machine when the packages are at hand; downloading them comes on top and depends on the network.)
+	$(call fresh_venv,,installing the series into $(VENV)$(if $(VENV_SIZE),: $(VENV_SIZE) on disk)$(if $(VENV_TIME), \
+		and $(VENV_TIME) when last measured) (docs/timings.md); pip's time depends on the network and the machine.)
 	@echo "[1/4] pip itself"
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	@echo "[2/4] the locked packages, hash-checked (requirements.txt; pip's progress below: what it collects and" \
@@ -195,6 +205,9 @@ $(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/override
 	@echo "[4/4] the \"$(KERNEL_NAME)\" kernel and JupyterLab's settings, in $(VENV)"
 	$(call install_kernel,--sys-prefix)
 	$(install_lab_settings)
+	@if [ -e $(VENV)/.install-started ]; then \
+		echo $$(( $$(date +%s) - $$(cat $(VENV)/.install-started) )) > $(VENV)/.install-seconds; \
+		rm $(VENV)/.install-started; fi
 	@touch $(STAMP)
 	@echo "make: $(VENV) is ready ($$(du -sh $(VENV) | cut -f1) on disk)"
 endif
