@@ -7,7 +7,9 @@ fails with "not answered yet".
 A check judges behaviour, not a constant: ``on_ranks`` runs a judge on every rank, next to the
 learner's own objects (their local shards, placements, gradients), and the judge works out what
 is right from that rank's state. A judge returns None when the answer is right, or a sentence
-saying what is wrong without giving the answer away.
+saying what is wrong. Its cases are drawn afresh for every check (``case_generator``), always among
+them the ones where a plausible shortcut goes wrong; a message names only the one case that failed
+(with what was expected there), never the list.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import random
 import sys
 from dataclasses import dataclass, field
-
-from .launch import LaunchError, detect_launch
 
 
 class NotSolved(AssertionError):
@@ -104,34 +105,15 @@ def judged(judge, *values, what: str, hint: str = "") -> None:
     print(f"✓ {what}")
 
 
-def at_most(got, bound: float, what: str, hint: str = "") -> None:
-    """A number (or one per rank) that must be finite and no larger than ``bound``."""
-    values = got if isinstance(got, list) else [got]
-    for rank, g in enumerate(values):
-        if _blank(g):
-            raise NotSolved(f"{what}: not answered yet" + (f" on rank {rank}." if isinstance(got, list) else "."))
-        if not isinstance(g, (int, float)) or not math.isfinite(g) or g > bound:
-            where = f" on rank {rank}" if isinstance(got, list) else ""
-            raise NotSolved(f"{what}{where}: {g!r} is not a number ≤ {bound}. {hint}".strip())
-    print(f"✓ {what}: {values} (≤ {bound})")
+def case_generator() -> random.Random:
+    """The generator a judge draws its cases from: seeded afresh for every check by rank 0 and the same on every rank,
+    so each run tries other cases (an answer cannot be fitted to them) and the ranks' collectives still match."""
+    import torch.distributed as dist
 
-
-def launcher_environment(env, launcher: str, rank: int, world_size: int, local_rank: int) -> None:
-    """An environment dict that ``sl.detect_launch`` reads as the given launcher, rank and sizes."""
-    if _blank(env) or not isinstance(env, dict):
-        raise NotSolved(f"not answered yet: set `answer` to a dict of environment variables (strings), got {env!r}.")
-    if launcher == "torchrun" and not {"MASTER_ADDR", "MASTER_PORT"} <= set(env):
-        raise NotSolved("torchrun also tells every process where rank 0 listens: MASTER_ADDR and MASTER_PORT.")
-    try:
-        info = detect_launch(env)
-    except LaunchError as error:
-        raise NotSolved(f"sl.detect_launch rejects it: {error}") from None
-    got = {"launcher": info.launcher, "rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank}
-    expected = {"launcher": launcher, "rank": rank, "world_size": world_size, "local_rank": local_rank}
-    wrong = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
-    if wrong:
-        raise NotSolved("read as " + ", ".join(f"{k}={g!r} (expected {e!r})" for k, (g, e) in wrong.items()))
-    print(f"✓ read as {launcher}: rank {rank} of {world_size}, local rank {local_rank}")
+    seed = [random.SystemRandom().randrange(2**32)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return random.Random(seed[0])
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import random
+
+from ..check import case_generator
 from ..launch import LaunchError, detect_launch
 
-# (rank, world size, processes per node): one node and several, so a local rank copied from the rank shows.
-TORCHRUN_CASES = ((2, 4, 4), (5, 8, 4), (7, 8, 4), (1, 2, 1))
+
+def torchrun_jobs(draw: random.Random) -> list[tuple[int, int, int]]:
+    """(rank, world size, processes per node) of torchrun jobs, drawn anew for each check: one node, one process per
+    node, and ranks on a node past the second with a non-zero local rank, for a per-node count that is a power of two
+    and one that is not. Those are where copying the rank, subtracting one node's count or masking bits go wrong."""
+    one_node = draw.randint(2, 8)
+    nodes = draw.randint(2, 5)
+    jobs = [(draw.randrange(one_node), one_node, one_node), (draw.randrange(nodes), nodes, 1)]
+    for per_node in (draw.choice((3, 5, 6, 7)), draw.choice((2, 4, 8))):
+        nodes = draw.randint(3, 6)
+        far = draw.randint(2, nodes - 1) * per_node + draw.randint(1, per_node - 1)
+        jobs += [(far, nodes * per_node, per_node), (draw.randrange(nodes * per_node), nodes * per_node, per_node)]
+    draw.shuffle(jobs)
+    return jobs
 
 
-def torchrun_environment(make_env) -> str | None:
+def torchrun_environment(make_env, draw: random.Random | None = None) -> str | None:
     """``make_env(rank, world_size, nproc_per_node)`` must return what torchrun gives that process: judged by
-    reading it back with ``sl.detect_launch`` for several ranks, one node and several."""
+    reading it back with ``sl.detect_launch`` for ranks of jobs drawn for this check (``torchrun_jobs``, from ``draw``
+    or a fresh ``case_generator``). A wrong answer is told the one job it got wrong."""
     if not callable(make_env):
         return "define a function torchrun_environment(rank, world_size, nproc_per_node) that returns a dict"
     meeting_points = set()
-    for rank, world, per_node in TORCHRUN_CASES:
+    for rank, world, per_node in torchrun_jobs(draw or case_generator()):
         env = make_env(rank, world, per_node)
         where = f"for rank {rank} of {world} with {per_node} process(es) per node"
         if not isinstance(env, dict):
@@ -34,7 +50,7 @@ def torchrun_environment(make_env) -> str | None:
         if info.rank != rank or info.world_size != world:
             return f"{where} it reads as rank {info.rank} of {info.world_size}, which is not that process"
         if info.local_rank != rank % per_node:
-            return (f"{where} the local rank reads as {info.local_rank}, which is wrong: LOCAL_RANK is the "
+            return (f"{where} the local rank reads as {info.local_rank}, not {rank % per_node}: LOCAL_RANK is the "
                     "process's index on its own node (it picks the GPU), not its rank in the whole job")
         meeting_points.add((env["MASTER_ADDR"], env["MASTER_PORT"]))
     if len(meeting_points) > 1:

@@ -12,11 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..check import Watch
+from ..check import Watch, case_generator
 from ..launch import default_device
 
-# (rank, world size, domain size): layouts of other sizes than the notebook's, including domain groups of 1 and 3.
-ARITHMETIC_CASES = ((5, 12, 3), (6, 8, 2), (3, 6, 1), (4, 8, 4), (0, 9, 3))
 MESH_GROUPS = "the mesh's own groups, which this exercise builds by hand"
 
 
@@ -33,45 +31,65 @@ def _watch_mesh_groups() -> Watch:
                  get_process_group_ranks=dist.get_process_group_ranks, new_group=dist.new_group)
 
 
+def _layouts(rng) -> list[tuple[int, int, int]]:
+    """(rank, world, domain size) of four layouts the notebook never built, drawn afresh: domain groups of 1, one
+    domain group filling the world, and two where the ddp and domain sizes differ (swapping them goes wrong there),
+    with a rank past the start of the first domain group (a group starting at 0 goes wrong there)."""
+    sizes = [(1, rng.randint(2, 6)), (rng.randint(2, 6), 1)]
+    sizes += [(d, rng.choice([s for s in range(2, 6) if s != d])) for d in rng.sample(range(2, 6), 2)]
+    layouts = []
+    for domain_size, ddp_size in sizes:
+        world = domain_size * ddp_size
+        if domain_size > 1 and ddp_size > 1:
+            rank = domain_size * rng.randrange(1, ddp_size) + rng.randrange(1, domain_size)
+        else:
+            rank = rng.randrange(1, world)
+        layouts.append((rank, world, domain_size))
+    rng.shuffle(layouts)
+    return layouts
+
+
 def ddp_ranks(ddp_group_of, mesh) -> str | None:
     """Exercise 1. Doing it means: from ``rank``, ``world`` and ``domain_size`` alone, list the ranks that share
     ``rank``'s position in their domain group (consecutive ranks form the domain groups), sorted.
 
     ``ddp_group_of(rank, world, domain_size)`` is called for this rank (compared with ``mesh["ddp"]``) and for
-    layouts of other sizes; asking the mesh or a process group for its ranks fails."""
+    layouts of other sizes, drawn for each check; asking the mesh or a process group for its ranks fails."""
     if not callable(ddp_group_of):
         return (f"ddp_group_of is a {type(ddp_group_of).__name__}: define a function ddp_group_of(rank, world, "
                 "domain_size) that returns a list")
+    others = _layouts(case_generator())
     me = (dist.get_rank(), dist.get_world_size(), mesh["domain"].size())
     truth = _axis_ranks(mesh, "ddp")
     with _watch_mesh_groups() as watch:
         mine = ddp_group_of(*me)
-        others = [(case, ddp_group_of(*case)) for case in ARITHMETIC_CASES]
+        answers = [(case, ddp_group_of(*case)) for case in others]
     problem = watch.forbidden(get_group=MESH_GROUPS, get_process_group_ranks=MESH_GROUPS, init_device_mesh=MESH_GROUPS,
                               new_group="but no group is needed: this is arithmetic on rank numbers")
     if problem:
         return problem
-    for (rank, world, domain_size), got in [(me, mine), *others]:
+    for (rank, world, domain_size), got in [(me, mine), *answers]:
         where = f"for rank {rank} of {world} with domain groups of {domain_size}"
         if not isinstance(got, (list, tuple)) or not all(isinstance(r, int) for r in got):
             return f"{where} it returned {got!r}: return a sorted list of ranks (ints)"
         right = truth if (rank, world, domain_size) == me else _ddp_lists(world, domain_size)[rank % domain_size]
         if list(got) == right:
             continue
+        said = f"{where} it returned {list(got)}, expected {right}"
         if (rank, world, domain_size) != me and list(got) == list(mine):
-            return (f"{where} it returned {list(got)}, the same as for this rank of the running notebook: work the "
-                    "group out from the arguments, not from this process or an earlier result")
+            return (f"{said}: it gave the same as for this rank of the running notebook; work the group out from the "
+                    "arguments, not from this process or an earlier result")
         start = rank - rank % domain_size
         if sorted(got) == list(range(start, start + domain_size)):
-            return (f"{where} it returned {list(got)}, that rank's domain group (the ranks sharing one sample); "
-                    "the ddp group joins the ranks at the same position of every domain group")
-        return f"{where} it returned {list(got)}, which is not that rank's ddp group (or is not sorted)"
+            return (f"{said}: that is the rank's domain group (the ranks sharing one sample); the ddp group joins the "
+                    "ranks at the same position of every domain group")
+        return f"{said}, the ranks at that rank's position in every domain group, sorted"
     return None
 
 
-def _tensor_of(rank: int, domain_size: int, device) -> torch.Tensor:
-    """The tensor rank ``rank`` averages for ``domain_size``: the judge can rebuild any rank's without asking it."""
-    generator = torch.Generator().manual_seed(1000 * domain_size + rank)
+def _tensor_of(rank: int, seed: int, device) -> torch.Tensor:
+    """The tensor rank ``rank`` averages in the case ``seed``: the judge can rebuild any rank's without asking it."""
+    generator = torch.Generator().manual_seed(seed + rank)
     return torch.randn(5, generator=generator).to(device)
 
 
@@ -81,18 +99,23 @@ def hand_made_ddp_average(ddp_average, mesh) -> str | None:
     the group's size.
 
     ``ddp_average(t, domain_size)`` is called with a random tensor per rank, for this notebook's domain size and for
-    domain groups of 1. Observed: the groups ``new_group`` created, the all-reduce's group, the value; the mesh's
-    groups may not be used."""
+    up to two other domain sizes that divide the world, drawn for each check. Observed: the groups ``new_group``
+    created, the all-reduce's group, the value; the mesh's groups may not be used."""
     if not callable(ddp_average):
         return (f"ddp_average is a {type(ddp_average).__name__}: define a function ddp_average(t, domain_size) that "
                 "returns the averaged tensor")
     rank, world, device = dist.get_rank(), dist.get_world_size(), default_device()
+    rng = case_generator()
+    others = [d for d in range(1, world + 1) if world % d == 0 and d != mesh["domain"].size()]
+    sizes = [mesh["domain"].size(), *rng.sample(others, min(2, len(others)))]
+    rng.shuffle(sizes)
     runs = []
-    for domain_size in sorted({mesh["domain"].size(), 1}, reverse=True):  # every call on every rank, then verdicts
+    for domain_size in sizes:  # every call on every rank, then verdicts
+        seed = rng.randrange(2**31)
         with _watch_mesh_groups() as watch:
-            got = ddp_average(_tensor_of(rank, domain_size, device), domain_size)
-        runs.append((domain_size, got, watch))
-    for domain_size, got, watch in runs:
+            got = ddp_average(_tensor_of(rank, seed, device), domain_size)
+        runs.append((domain_size, seed, got, watch))
+    for domain_size, seed, got, watch in runs:
         ddp_lists = _ddp_lists(world, domain_size)
         mine = ddp_lists[rank % domain_size]
         where = f"with domain groups of {domain_size}"
@@ -123,7 +146,7 @@ def hand_made_ddp_average(ddp_average, mesh) -> str | None:
             return f"{where}, ddp_average returned a {type(got).__name__}: return the averaged tensor"
         if got.device.type != mesh.device_type:
             return f"{where}, the result lives on {got.device}, but the mesh's ranks compute on {mesh.device_type}"
-        own = [_tensor_of(r, domain_size, device).cpu() for r in mine]
+        own = [_tensor_of(r, seed, device).cpu() for r in mine]
         total = torch.stack(own).sum(0)
         if tuple(got.shape) != tuple(total.shape):
             return f"{where}, the result has shape {tuple(got.shape)}, not the shape of the tensor it was given"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, earlier_object
+from ..check import Watch, case_generator, earlier_object
 from ..launch import default_device
 
 
@@ -37,25 +37,29 @@ def _slabs(sizes: list[int], mesh, device, width: int = 5):
     return _shard_tensor().from_local(local, mesh, (Shard(2),), sharding_shapes={0: shapes})
 
 
+def _rising_sizes(rng, n: int) -> list[int]:
+    """``n`` different slab heights, smallest first: a rank's start is then never its place times its own height, nor
+    torch.chunk's split of the total."""
+    return sorted(rng.sample(range(1, 3 * n + 4), n))
+
+
 def rows_held(rows_of, slabs, mesh) -> str | None:
     """Exercise 1. Doing it means: read every rank's slab height from the spec (``_spec.sharding_shapes()``) and add
     up the heights of the ranks before this one, counted by this rank's place in the tensor's own mesh.
 
-    ``rows_of(t)`` is called on ``slabs`` and on ShardTensors the judge builds with other slab sizes, on the 1-D mesh
-    of all ranks and on the domain axis (where a rank's place differs from its global rank). ShardTensor's own
-    ``offsets`` (the library's answer) may not run."""
+    ``rows_of(t)`` is called on ``slabs`` and on ShardTensors the judge builds with slab sizes drawn for each check
+    (rising, falling, one tall slab first), on the 1-D mesh of all ranks and on the domain axis (where a rank's place
+    differs from its global rank). ShardTensor's own ``offsets`` (the library's answer) may not run."""
     if not callable(rows_of):
         return f"rows_of is a {type(rows_of).__name__}: define a function rows_of(t) that returns (start, stop)"
-    device = default_device()
+    device, rng = default_device(), case_generator()
     line, domain = slabs.device_mesh, mesh["domain"]
     n, d = line.size(), domain.size()
-    cases = [("slabs", slabs, None),
-             ("slabs of sizes 2, 3, 4, ... (bigger further down)", _slabs([2 + k for k in range(n)], line, device),
-              [2 + k for k in range(n)]),
-             ("slabs of sizes ..., 4, 3, 2 (smaller further down)", _slabs([1 + n - k for k in range(n)], line, device),
-              [1 + n - k for k in range(n)]),
-             ("a tensor split 5 | 2 | ... over mesh['domain']", _slabs([5] + [2] * (d - 1), domain, device),
-              [5] + [2] * (d - 1))]
+    rising, falling = _rising_sizes(rng, n), _rising_sizes(rng, n)[::-1]
+    tall_first = [rng.randint(4, 9)] + [rng.randint(1, 3) for _ in range(d - 1)]
+    cases = [("slabs", slabs, None), (f"slabs of {rising} rows", _slabs(rising, line, device), rising),
+             (f"slabs of {falling} rows", _slabs(falling, line, device), falling),
+             (f"a tensor split {tall_first} over mesh['domain']", _slabs(tall_first, domain, device), tall_first)]
     with Watch(offsets=_shard_tensor().offsets) as watch:
         answers = [rows_of(t) for _, t, _ in cases]
     problem = watch.forbidden(offsets="which computes the answer for you: add up the slab heights the spec records")
@@ -75,39 +79,67 @@ def rows_held(rows_of, slabs, mesh) -> str | None:
             continue
         start, stop = got
         rank = dist.get_rank()
+        said = f"on {what}, rows_of returned {got} on the rank at place {k}, expected {right}"
         if rank != k and got == (sum(sizes[:rank]), sum(sizes[:rank + 1])):
-            return (f"on {what}, the rows were counted by this rank's global rank ({rank}); its place in this "
-                    f"tensor's mesh is {k} (t.device_mesh.get_local_rank())")
+            return (f"{said}: the rows were counted by this rank's global rank ({rank}); its place in this tensor's "
+                    "mesh is t.device_mesh.get_local_rank()")
         if stop - start != sizes[k]:
-            return f"on {what}, ({start}, {stop}) spans {stop - start} rows, but this rank's slab has another height"
+            return f"{said}: ({start}, {stop}) spans {stop - start} rows, but this rank's slab has another height"
         if start == 0:
-            return f"on {what}, start is 0 on a rank whose slab does not begin the field: count the rows before it"
-        return (f"on {what}, this rank's slab does not start at row {start}: the ranks before it own other numbers "
-                "of rows")
+            return f"{said}: start is 0 on a rank whose slab does not begin the field; count the rows before it"
+        return f"{said}: the ranks before it own other numbers of rows"
     return None
+
+
+def _chunk_widths(width: int, n: int) -> list[int]:
+    """torch.chunk's split of ``width`` over ``n`` ranks, 0 for the ranks it runs out before."""
+    sizes = [c.shape[0] for c in torch.empty(width, device="meta").chunk(n)]
+    return sizes + [0] * (n - len(sizes))
+
+
+def _balanced_widths(width: int, n: int) -> list[int]:
+    """torch.tensor_split's split: the leftover columns one each to the first ranks (a plausible, wrong prediction)."""
+    return [width // n + (j < width % n) for j in range(n)]
+
+
+def _uneven_size(rng, n: int, low: int, high: int, chunk_runs_out: bool = False) -> int:
+    """A size in [low, high) that does not divide over ``n`` ranks, where torch.chunk's split differs from the balanced
+    one when ``n`` > 2, and where torch.chunk runs out before the last rank exactly when ``chunk_runs_out``."""
+    widths = [w for w in range(max(low, n), high) if n == 1 or (
+        w % n and (0 in _chunk_widths(w, n)) == chunk_runs_out
+        and (n < 3 or _chunk_widths(w, n) != _balanced_widths(w, n)))]
+    return rng.choice(widths) if widths else rng.randrange(max(low, n), high)
 
 
 def w_shard_shape(predict, mesh) -> str | None:
     """Exercise 2. Doing it means: predict, without scattering anything, the block of a (N, C, H, W) tensor that
     rank ``k`` of ``n`` holds after ``scatter_tensor(..., (Shard(3),))``: torch.chunk's split of W, ceil(W / n)
-    columns per rank until they run out.
+    columns per rank until they run out (none left for the last ranks when W is small: there PhysicsNeMo 2.2.2's
+    scatter_tensor fails on those ranks, and its spec records ``compute_split_shapes``' other split).
 
-    ``predict(shape, n, k)`` is called for shapes the notebook never used (not square, W not divisible by n) and
-    compared with what ``scatter_tensor`` really gives this rank over ``mesh["domain"]`` (scattered by the judge,
-    outside the call), and with ``torch.chunk``'s split for other group sizes. Scattering or chunking inside the call
-    fails: it is the library doing the prediction."""
+    ``predict(shape, n, k)`` is called for shapes drawn for each check (not square, W not divisible by n) and compared
+    with what ``scatter_tensor`` really gives this rank over ``mesh["domain"]`` (scattered by the judge, outside the
+    call), and for every rank of other group sizes with torch.chunk's split: one width where the balanced split (the
+    leftover columns to the first ranks) differs from it, one where torch.chunk runs out of columns before the last
+    rank. Scattering or chunking inside the call fails: it is the library doing the prediction."""
+    from physicsnemo.distributed.utils import compute_split_shapes
     from physicsnemo.domain_parallel import scatter_tensor
 
     if not callable(predict):
         return f"w_shard_shape is a {type(predict).__name__}: define a function w_shard_shape(shape, n, k)"
-    domain, device = mesh["domain"], default_device()
+    domain, device, rng = mesh["domain"], default_device(), case_generator()
     n, k = domain.size(), domain.get_local_rank()
     source = dist.get_global_rank(domain.get_group(), 0)
     live = []
-    for shape in ((1, 2, 20, 37), (1, 1, 64, 30)):
-        sample = _field(shape, 3, device)
+    for _ in range(2):
+        shape = (rng.randint(1, 2), rng.randint(1, 3), rng.randint(4, 20), _uneven_size(rng, n, 21, 64))
+        sample = _field(shape, rng.randrange(2**31), device)
         live.append((shape, n, k, tuple(scatter_tensor(sample, source, domain, (Shard(3),)).to_local().shape)))
-    more = [((1, 3, 8, w), m, j) for w, m in ((10, 3), (7, 4), (5, 3)) for j in range(m)]
+    more = []
+    for m, runs_out in ((rng.randint(3, 6), False), (rng.randint(4, 7), True)):
+        shape = (1, rng.randint(1, 3), rng.randint(4, 12), _uneven_size(rng, m, m + 1, 6 * m, runs_out))
+        more += [(shape, m, j) for j in range(m)]
+    rng.shuffle(more)
     with Watch(scatter_tensor=scatter_tensor, chunk=(torch.chunk, torch.Tensor.chunk),
                tensor_split=(torch.tensor_split, torch.Tensor.tensor_split)) as watch:
         got_live = [predict(shape, n_, k_) for shape, n_, k_, _ in live]
@@ -120,8 +152,7 @@ def w_shard_shape(predict, mesh) -> str | None:
     if len({repr(g) for g in got_live + got_more}) == 1:
         return (f"w_shard_shape returned {got_more[0]!r} for every shape and rank: work the block out from the "
                 "arguments")
-    truth = [right for *_, right in live]
-    truth += [tuple(torch.empty(shape, device="meta").chunk(m, dim=3)[j].shape) for shape, m, j in more]
+    truth = [right for *_, right in live] + [(*shape[:3], _chunk_widths(shape[3], m)[j]) for shape, m, j in more]
     for (shape, m, j), got, right in zip([(s, n_, k_) for s, n_, k_, _ in live] + more, got_live + got_more, truth):
         where = f"for a {shape} tensor on rank {j} of {m}"
         got = tuple(got) if isinstance(got, (list, torch.Size)) else got
@@ -129,13 +160,20 @@ def w_shard_shape(predict, mesh) -> str | None:
             return f"{where} it returned {got!r}: return the local shape as a tuple of ints"
         if got == right:
             continue
+        said, width = f"{where} it returned {got}, expected {right}", shape[3]
         if got == tuple(shape):
-            return f"{where} it returned the global shape; the rank holds only its own columns"
-        if got[:3] == tuple(shape[:3]) and got[3] == -(-shape[3] // m):
-            return f"{where} it returned ceil(W / n) columns, but that rank holds what the ranks before it left"
-        if len(got) == 4 and got[2] != shape[2]:
-            return f"{where} it split H (dimension 2); Shard(3) splits W, the last dimension"
-        return f"{where} it returned {got}, which is not the block that rank holds"
+            return f"{said}: that is the global shape; the rank holds only its own columns"
+        if len(got) != 4 or got[:3] != tuple(shape[:3]):
+            return f"{said}: Shard(3) splits W, the last dimension, and leaves N, C and H whole"
+        if got[3] == -(-width // m):
+            return f"{said}: every rank gets ceil(W / n) columns only until they run out"
+        if got[3] == _balanced_widths(width, m)[j]:
+            return (f"{said}: that spreads the leftover columns over the first ranks (torch.tensor_split's split); "
+                    "scatter_tensor slices with torch.chunk")
+        if got[3] == compute_split_shapes(width, m)[j]:
+            return (f"{said}: that is compute_split_shapes' split, which the spec records, but scatter_tensor slices "
+                    "the data with torch.chunk")
+        return f"{said}: that is not the block that rank holds"
     return None
 
 
@@ -145,21 +183,24 @@ def scatters_by_hand(scatter_by_hand, mesh) -> str | None:
     ``ShardTensor.from_local`` (no data moves in that step).
 
     ``scatter_by_hand(tensor, src, mesh)`` (the tensor on the source only, ``None`` elsewhere) is called with tensors
-    of the judge's own with an odd number of rows, over ``mesh["domain"]`` and over ``mesh["ddp"]`` (another group,
-    another source). Observed: a broadcast over that group carrying the tensor's bytes, a call of
-    ``ShardTensor.from_local``, and the result (type, mesh, placement, global shape, shard sizes, local values),
-    against the judge's own tensor. ``scatter_tensor`` may not run in the call."""
+    drawn for each check, their rows not divisible by the group's size, over ``mesh["domain"]`` and over
+    ``mesh["ddp"]`` (another group), each from a source drawn among the group's ranks after its first.
+    Observed: a broadcast over that group carrying the tensor's bytes, a call of ``ShardTensor.from_local``, and the
+    result (type, mesh, placement, global shape, shard sizes, local values), against the judge's own tensor.
+    ``scatter_tensor`` may not run in the call."""
     from physicsnemo.domain_parallel import scatter_tensor
 
     if not callable(scatter_by_hand):
         kind = type(scatter_by_hand).__name__
         return f"scatter_by_hand is a {kind}: define a function scatter_by_hand(tensor, src, mesh)"
-    ShardTensor, device = _shard_tensor(), default_device()
+    ShardTensor, device, rng = _shard_tensor(), default_device(), case_generator()
     runs = []
-    for axis, shape, seed in (("domain", (1, 2, 37, 12), 31), ("ddp", (1, 1, 21, 9), 32)):
+    for axis in ("domain", "ddp"):
         group_mesh = mesh[axis]
-        source = dist.get_global_rank(group_mesh.get_group(), 0)
-        full = _field(shape, seed, device)
+        m = group_mesh.size()
+        shape = (1, rng.randint(1, 3), _uneven_size(rng, m, 2 * m + 1, 48), rng.randint(5, 13))
+        source = dist.get_global_rank(group_mesh.get_group(), rng.randrange(1, m) if m > 1 else 0)
+        full = _field(shape, rng.randrange(2**31), device)
         with Watch(scatter_tensor=scatter_tensor, from_local=ShardTensor.from_local) as watch:
             mine = scatter_by_hand(full.clone() if dist.get_rank() == source else None, source, group_mesh)
         runs.append((axis, shape, group_mesh, source, full, mine, watch))  # every call on every rank, then verdicts

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from ..check import Watch, earlier_object
+from ..check import Watch, case_generator, earlier_object
 from ..measure import strict_fp32
 
 SMALL = 64  # bytes: a resolved mean moves a number or two, never rows of the field
@@ -28,13 +28,16 @@ def _shard_tensor():
     return ShardTensor
 
 
-def _uneven_field(mesh, device, seed: int, width: int = 6, channels: int = 1):
-    """(the whole field, the same on every rank; the field scattered along H over ``mesh``): 4n - 1 rows, so every
-    rank holds 4 but the last, which holds 3."""
+def _uneven_field(mesh, device, rng, min_rows: int = 1, channels: int = 1):
+    """(the whole field, the same on every rank; the field scattered along H over ``mesh``), drawn from ``rng``: rows
+    that do not divide over the ranks, at least ``min_rows`` on each, and a width of 5 to 10."""
     from physicsnemo.domain_parallel import scatter_tensor
 
-    generator = torch.Generator().manual_seed(seed)
-    whole = torch.randn(1, channels, 4 * mesh.size() - 1, width, generator=generator).to(device)
+    n = mesh.size()
+    per_rank = rng.randint(max(2, min_rows + 1), max(2, min_rows + 1) + 3)
+    height = per_rank * n - rng.randint(1, min(per_rank - min_rows, n - 1)) if n > 1 else per_rank
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    whole = torch.randn(1, channels, height, rng.randint(5, 10), generator=generator).to(device)
     return whole, scatter_tensor(whole, dist.get_global_rank(mesh.get_group(), 0), mesh, (Shard(2),))
 
 
@@ -42,7 +45,7 @@ def replicated_mean(mean_of, x) -> str | None:
     """Exercise 1. Doing it means: let each rank reduce its own rows (a ``Partial`` sum), then resolve the partial
     value over the mesh (one all-reduce of a number), and keep the result a ShardTensor that every rank holds whole.
 
-    ``mean_of(t)`` is called on ``x`` and on a field of the judge's own, split unevenly (so a mean of the ranks'
+    ``mean_of(t)`` is called on ``x`` and on a field drawn for each check, split unevenly (so a mean of the ranks'
     means is wrong). Observed: the collectives (an all-reduce over the mesh, nothing carrying rows of the field) and
     the result's type, placement, mesh and value, against the mean of the judge's own whole field."""
     ShardTensor = _shard_tensor()
@@ -50,9 +53,9 @@ def replicated_mean(mean_of, x) -> str | None:
         return f"mean_of is a {type(mean_of).__name__}: define a function mean_of(t) that returns a ShardTensor"
     mesh, n = x.device_mesh, x.device_mesh.size()
     ranks = dist.get_process_group_ranks(mesh.get_group())
-    whole, own = _uneven_field(mesh, x.device, seed=41)
+    whole, own = _uneven_field(mesh, x.device, case_generator())
     x_whole = x.full_tensor()  # every rank gathers it here, outside the judged call and before any verdict
-    cases = (("x", x, x_whole), ("a field of 4n - 1 rows split unevenly", own, whole))
+    cases = (("x", x, x_whole), (f"a field of {whole.shape[2]} rows split unevenly", own, whole))
     runs = []
     for what, t, full in cases:  # every call on every rank, then verdicts: no rank leaves a collective early
         with Watch() as watch:
@@ -90,7 +93,7 @@ def replicated_mean(mean_of, x) -> str | None:
                     "different numbers of values, so that is not the field's mean")
         if t is not x and math.isclose(got, x_whole.double().mean().item(), rel_tol=1e-5, abs_tol=1e-6):
             return f"on {what}, the result is x's mean, not the mean of the tensor it was given"
-        return f"on {what}, the result holds {got:.6g} on this rank, which is not the mean over all of t's rows"
+        return f"on {what}, the result holds {got:.6g} on this rank, expected the mean of all of t's rows, {truth:.6g}"
     return None
 
 
@@ -101,27 +104,44 @@ def _from_sizes(rows: list[int], mesh, device, width: int = 3):
     return _shard_tensor().from_local(local, mesh, (Shard(0),), sharding_shapes={0: [(r, width) for r in rows]})
 
 
+def _layout_pairs(rng, n: int) -> list[tuple[str, list[int], list[int] | None, bool]]:
+    """(what, a's rows per rank, b's rows per rank or None for a replicated b of a's shape, same layout?), drawn:
+    the same split twice; two ranks' shards swapped (the same global shape, other rows on those ranks); one rank's
+    shard changed (so the other ranks' shards match); a replicated tensor; another split twice."""
+    sizes = [rng.randint(1, 4) for _ in range(n)]
+    while len(set(sizes)) == 1:
+        sizes[rng.randrange(n)] = rng.randint(1, 4)
+    i, j = rng.choice([(i, j) for i in range(n) for j in range(i + 1, n) if sizes[i] != sizes[j]])
+    swapped = list(sizes)
+    swapped[i], swapped[j] = sizes[j], sizes[i]
+    changed = list(sizes)
+    changed[i] = rng.choice([r for r in range(1, 6) if r != sizes[i]])
+    other = [rng.randint(1, 4) for _ in range(n)]
+    pairs = [(f"two tensors split {sizes} rows", sizes, sizes, True),
+             (f"tensors split {sizes} and {swapped} rows", sizes, swapped, False),
+             (f"tensors split {sizes} and {changed} rows", sizes, changed, False),
+             (f"a tensor split {sizes} rows and a replicated one of the same global shape", sizes, None, False),
+             (f"two tensors split {other} rows", other, other, True)]
+    rng.shuffle(pairs)
+    return pairs
+
+
 def layout_guard(fn, x) -> str | None:
     """Exercise 2. Doing it means: compare what both tensors' specs record about every rank, the placements and the
     shard sizes (``_spec.sharding_shapes()``), on this rank, without communicating: every rank holds them all.
 
-    ``fn(a, b)`` is called on pairs the judge builds on ``x``'s mesh (aligned and misaligned uneven splits, and a
-    replicated tensor) and must say True exactly for the aligned ones. Any collective during the calls fails."""
+    ``fn(a, b)`` is called on pairs the judge draws for each check on ``x``'s mesh (aligned and misaligned uneven
+    splits, among them misaligned ones whose shards match on some ranks, and a replicated tensor) and must say True
+    exactly for the aligned ones. Any collective during the calls fails."""
     mesh = x.device_mesh
-    n = mesh.size()
-    short_last = [2] * (n - 1) + [1]  # 2n - 1 rows: the short shard on the last rank (torch.chunk's habit) ...
-    short_first = short_last[::-1]  # ... or on the first: the same global shape, other rows on each rank
+    cases = _layout_pairs(case_generator(), mesh.size())
     ShardTensor = _shard_tensor()
-    replicated = ShardTensor.from_local(torch.zeros(2 * n - 1, 3, device=x.device), mesh, (Replicate(),),
-                                        sharding_shapes="chunk", global_shape=(2 * n - 1, 3))
-    cases = [
-        ("two tensors split the same way, the short shard on the last rank", short_last, short_last, True),
-        ("two tensors of the same global shape, the short shard on the last rank in one and on the first rank in "
-         "the other", short_last, short_first, False),
-        ("two tensors split the same way, the short shard on the first rank", short_first, short_first, True),
-        ("a tensor split over the ranks and a replicated one of the same global shape", short_last, None, False),
-    ]
-    pairs = [(_from_sizes(a, mesh, x.device), replicated if b is None else _from_sizes(b, mesh, x.device))
+
+    def replicated(rows):
+        return ShardTensor.from_local(torch.zeros(sum(rows), 3, device=x.device), mesh, (Replicate(),),
+                                      sharding_shapes="chunk", global_shape=(sum(rows), 3))
+
+    pairs = [(_from_sizes(a, mesh, x.device), replicated(a) if b is None else _from_sizes(b, mesh, x.device))
              for _, a, b, _ in cases]
     with Watch() as watch:
         answers = [fn(a, b) for a, b in pairs]
@@ -136,7 +156,7 @@ def layout_guard(fn, x) -> str | None:
             if len(set(answers)) == 1:
                 return (f"same_layout says {'same' if got else 'different'} for every pair, {what} among them: "
                         "compare the two tensors it is given")
-            return f"same_layout says {'same' if got else 'different'} for {what}"
+            return f"same_layout says {'same' if got else 'different'} for {what}, expected {same}"
     return None
 
 
@@ -172,21 +192,24 @@ def halo_conv(fn, x) -> str | None:
     rank below (point-to-point, or one all-to-all), receives theirs, stands zeros in where the field ends, and
     convolves the stacked rows with padding along W only.
 
-    ``fn(local, conv, group)`` is called on ``x`` with a 3×3 kernel and on a field of the judge's own, split unevenly,
-    with a 5×5 kernel. Observed: ShardTensor's own halo exchange must not run in the call; every message is at most
-    the halo rows (nothing gathers the field); rows go to the neighbours; and the output rows equal the ShardTensor
-    convolution's, computed by the judge outside the call."""
+    ``fn(local, conv, group)`` is called on ``x`` and on a field drawn for each check, split unevenly, with kernel sizes
+    drawn among 3 and 5 and among 7 and 9, and random weights. Observed: ShardTensor's own halo exchange must not run in
+    the call; every message is at most the halo rows (nothing gathers the field); rows go to the neighbours; and the
+    output rows equal the ShardTensor convolution's, computed by the judge outside the call."""
     from physicsnemo.domain_parallel.shard_utils import conv_patches, halo
 
     mesh = x.device_mesh
     group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     ranks = dist.get_process_group_ranks(group)
     neighbours = [ranks[k] for k in (me - 1, me + 1) if 0 <= k < n]
+    rng = case_generator()
+    kernels = rng.sample([rng.choice((3, 5)), rng.choice((7, 9))], 2)  # one the 3x3 and 5x5 of the lesson never show
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(4)  # the CPU generator only: the same weights on every rank
-        convs = [torch.nn.Conv2d(x.shape[1], 4, k, padding=k // 2).to(x.device) for k in (3, 5)]
-    _, own = _uneven_field(mesh, x.device, seed=4, width=8, channels=x.shape[1])  # 4n - 1 rows: enough for 5x5 halos
-    cases = (("x with a 3x3 kernel", convs[0], x), ("another field, split unevenly, with a 5x5 kernel", convs[1], own))
+        torch.default_generator.manual_seed(rng.randrange(2**31))  # the CPU generator only: the same on every rank
+        convs = [torch.nn.Conv2d(x.shape[1], rng.randint(2, 5), k, padding=k // 2).to(x.device) for k in kernels]
+    _, own = _uneven_field(mesh, x.device, rng, min_rows=kernels[1] // 2, channels=x.shape[1])
+    cases = ((f"x with a {kernels[0]}x{kernels[0]} kernel", convs[0], x),
+             (f"another field, split unevenly, with a {kernels[1]}x{kernels[1]} kernel", convs[1], own))
     runs = []
     with torch.no_grad(), strict_fp32():
         for what, conv, sharded in cases:  # every rank runs both cases before any verdict: no rank leaves early

@@ -2,43 +2,53 @@
 sharding, sharded on the ddp axis), and an FSDP2 step built by hand (all-gather the parameters, forward and
 backward, reduce-scatter the gradients) matched against ``fully_shard``'s gradient shards.
 
-Both answers are functions, called on models and samples the notebook never used; the judges build their own answer
-key (a model wrapped by ``sl.train.wrap`` and stepped outside the judged call) and watch the call: the collectives
-it runs, over which ranks and with how many bytes, and the library functions it may not use. They run collectives:
-every rank runs them together, as ``sl.check.on_ranks`` does.
+Both answers are functions, called on models and samples the notebook never used, drawn anew for each check (the
+weights' seed, the width and depth, the sample): the judges build their own answer key (a model wrapped by
+``sl.train.wrap`` and stepped outside the judged call) and watch the call: the collectives it runs, over which ranks
+and with how many bytes, and the library functions it may not use. They run collectives: every rank runs them
+together, as ``sl.check.on_ranks`` does.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 
 import torch
 import torch.distributed as dist
 
-from ..check import Watch, earlier_object
+from ..check import Watch, case_generator, earlier_object
 from ..launch import default_device
 from ..measure import strict_fp32
 from ..models import conv_stack
 from ..train import normalized_darcy, wrap
 
-JUDGE_SEED = 100  # the models the judges build: weights no cell of the notebook made
+
+def judged_shape(draw: random.Random, ddp_size: int) -> dict:
+    """A conv_stack's width, depth and seed that the notebook never used, with a width that does not split evenly over
+    the replicas, so that FSDP2's padding is at work in the hidden layers too, not only in the one-channel output."""
+    width = draw.randint(3, 12)
+    if ddp_size > 1 and width % ddp_size == 0:
+        width += 1
+    return {"width": width, "layers": draw.randint(2, 4), "seed": draw.randrange(1_000, 1_000_000)}
 
 
-def fsdp2_ready(fn, mesh) -> str | None:
+def fsdp2_ready(fn, mesh, draw: random.Random | None = None) -> str | None:
     """Exercise 1. Doing it means: broadcast global rank 0's plain weights and buffers over the domain axis and over
     the ddp axis (``sync_module_over_mesh``), then ``fully_shard`` each layer and the model on ``mesh["ddp"]``.
 
-    ``fn(model, mesh)`` gets a model (of another width and depth than the notebook's) whose initial weights differ on
-    every rank. Observed: the broadcasts over both axes happen before ``fully_shard``; the model it returns is the one
-    it was given, wrapped by FSDP2 on the ddp axis, and every rank then computes with global rank 0's initial weights.
+    ``fn(model, mesh)`` gets a model (width, depth and weights drawn for this check: ``judged_shape``, from ``draw``
+    or a fresh ``case_generator``) whose initial weights differ on every rank. Observed: the broadcasts over both axes
+    happen before ``fully_shard``; the model it returns is the one it was given, wrapped by FSDP2 on the ddp axis, and
+    every rank then computes with global rank 0's initial weights.
     ``sl.train.wrap`` (the library's version of this function) may not run."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
     device = default_device()
-    shape = {"width": 8, "layers": 2}
-    model = conv_stack(seed=JUDGE_SEED + dist.get_rank(), **shape).to(device)  # every rank its own weights
-    first = conv_stack(seed=JUDGE_SEED, **shape).to(device)  # what global rank 0 starts from
+    shape = judged_shape(draw or case_generator(), mesh["ddp"].size())
+    first = conv_stack(**shape).to(device)  # what global rank 0 starts from
+    model = conv_stack(**(shape | {"seed": shape["seed"] + dist.get_rank()})).to(device)  # every rank its own
     with Watch(wrap=wrap, fully_shard=fully_shard) as watch:
         wrapped = fn(model, mesh)
     problem = watch.forbidden(wrap="the library's version of this function: write the syncs and fully_shard yourself")
@@ -80,26 +90,27 @@ def _padded_bytes(p, n: int) -> int:
     return rows * p[0].numel() * p.element_size()
 
 
-def fsdp2_step(fn, mesh) -> str | None:
+def fsdp2_step(fn, mesh, draw: random.Random | None = None) -> str | None:
     """Exercise 2. Doing it means: all-gather every parameter's shards over the ddp group into the full parameter,
     run forward and backward with those as leaves, and reduce-scatter each gradient back into this rank's rows,
     averaged over the replicas.
 
     ``fn(shards, template, x, y, group)`` gets this rank's parameter shards of a model the judge wrapped with
-    ``sl.train.wrap(..., "fsdp2")`` (other weights than the notebook's) and stepped once on another sample, a template
-    of zeros (shapes and forward only), and the ddp group. Observed: over the ddp group, an all-gather of one padded
-    shard per parameter and a reduce-scatter; no ``fully_shard`` or ``sl.train.wrap``; and the returned shards,
-    against the gradient shards the judge's FSDP2 model holds."""
+    ``sl.train.wrap(..., "fsdp2")`` (width, depth, weights and samples drawn for this check, as in ``fsdp2_ready``)
+    and stepped once, a template of zeros (shapes and forward only), and the ddp group. Observed: over the ddp group,
+    an all-gather of one padded shard per parameter and a reduce-scatter; no ``fully_shard`` or ``sl.train.wrap``; and
+    the returned shards, against the gradient shards the judge's FSDP2 model holds."""
     from physicsnemo.domain_parallel import scatter_tensor
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     device = default_device()
-    template = conv_stack(width=6, seed=JUDGE_SEED).to(device)
-    key = wrap(copy.deepcopy(template), mesh, "fsdp2")  # the answer key: built here, out of the learner's reach
     ddp_size, replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
+    draw = draw or case_generator()
+    template = conv_stack(**judged_shape(draw, ddp_size)).to(device)
+    key = wrap(copy.deepcopy(template), mesh, "fsdp2")  # the answer key: built here, out of the learner's reach
     inputs, targets = normalized_darcy()
-    sample = ddp_size + replica  # step 1's sample of this replica: the notebook's cell used step 0's
+    sample = draw.randrange(ddp_size, len(inputs) - ddp_size + 1) + replica  # the notebook's cell used 0 .. ddp - 1
     x, y = inputs[sample:sample + 1].to(device), targets[sample:sample + 1].to(device)
     if mesh["domain"].size() > 1:
         source = dist.get_global_rank(mesh["domain"].get_group(), 0)

@@ -12,15 +12,9 @@ import functools
 
 import torch
 
-from ..check import Watch, earlier_object
+from ..check import Watch, case_generator, earlier_object
 from ..launch import default_device
 from ..mesh import shard_bounds
-
-# Field heights whose shards differ in rows between the ranks of a domain group of 2 (64 → 32|32, 63 → 32|31, ...).
-HEIGHTS = (64, 63, 62, 61)
-# Three heights that give every rank three shard heights, and heights with repeats (a repeat costs no new graph).
-THREE_HEIGHTS = (64, 62, 60)
-MORE_HEIGHTS = (40, 39, 40, 37, 39)
 
 
 def with_a_graph_break(t):
@@ -48,7 +42,7 @@ def pointwise_marked(t):
     return pointwise(t) + (0.0 if torch.compiler.is_compiling() else 1000.0)
 
 
-def local_shards(mesh, heights=HEIGHTS, width: int = 8) -> list:
+def local_shards(mesh, heights, width: int = 8) -> list:
     """This rank's local shard (1, 1, rows, width) of a field of each height, split over ``mesh["domain"]``."""
     domain = mesh["domain"]
     rank_in_group = domain.get_local_rank()
@@ -78,6 +72,23 @@ def graphs_compiled(fn, inputs, dynamic) -> int:
     return len(graphs)
 
 
+def _draw_heights(rng, mesh, odd_and_even: bool = False) -> list[int]:
+    """Four field heights, one of them twice (a repeat costs no new graph), some not splitting evenly over the domain
+    group, whose shards give this rank three different heights (so dynamic=None, which turns dynamic at the second,
+    compiles fewer graphs), both odd and even ones when ``odd_and_even``. Each rank draws until its own shards
+    qualify: nothing here is collective."""
+    domain = mesh["domain"]
+    while True:
+        heights = rng.sample(range(30, 90), 3)
+        heights.append(rng.choice(heights))
+        rng.shuffle(heights)
+        rows = {stop - start for height in heights
+                for _, start, stop in [shard_bounds(height, domain.size())[domain.get_local_rank()]]}
+        uneven = domain.size() == 1 or any(height % domain.size() for height in heights)
+        if uneven and len(rows) == 3 and (not odd_and_even or len({r % 2 for r in rows}) == 2):
+            return heights
+
+
 @functools.lru_cache(maxsize=32)
 def _graphs_for_rows(fn, rows: tuple, dynamic) -> int:
     """``graphs_compiled`` for shards of these heights: the same on every call, so each rank compiles it once."""
@@ -89,12 +100,14 @@ def counts_graphs(count_graphs, mesh):
     graphs it is handed, call the compiled function on every input, and return that count.
 
     ``count_graphs(fn, inputs)`` is called for three functions (one graph break, a break on odd heights only, none),
-    each on this rank's uneven shards of another set of fields (one with repeated heights). Truth: the judge's own
-    counting backend. ``torch._dynamo.explain`` (a count made by PyTorch) may not run."""
+    each on this rank's uneven shards of fields whose heights are drawn for each check (one height repeated). Truth:
+    the judge's own counting backend. ``torch._dynamo.explain`` (a count made by PyTorch) may not run."""
     if not callable(count_graphs):
         return f"count_graphs is a {type(count_graphs).__name__}: define a function count_graphs(fn, inputs)"
-    cases = [(with_a_graph_break, local_shards(mesh, THREE_HEIGHTS)), (breaks_on_odd_rows, local_shards(mesh)),
-             (pointwise, local_shards(mesh, MORE_HEIGHTS))]
+    rng = case_generator()
+    cases = [(fn, local_shards(mesh, _draw_heights(rng, mesh, fn is breaks_on_odd_rows)))
+             for fn in (with_a_graph_break, breaks_on_odd_rows, pointwise)]
+    rng.shuffle(cases)
     answers = []
     for fn, inputs in cases:
         torch._dynamo.reset()
@@ -109,18 +122,20 @@ def counts_graphs(count_graphs, mesh):
         where = f"for {fn.__name__} on {len(inputs)} shards of {list(rows)} rows"
         if not isinstance(got, int) or isinstance(got, bool):
             return f"{where} count_graphs returned {got!r}: return the number of graphs, an int"
-        if got == _graphs_for_rows(fn, rows, False):
+        right = _graphs_for_rows(fn, rows, False)
+        if got == right:
             continue
+        where += f" it returned {got}, expected {right}"
         if len(set(answers)) == 1:
             return f"it returned {got} for every function and every set of inputs: count what the compiler does"
         if got in (len(inputs), len(set(rows))):
             counted = {len(inputs): "calls", len(set(rows)): "distinct shapes"}[got]
-            return (f"{where} it returned {got}, the number of {counted}: count graphs (a backend is called once per "
-                    "graph, and a graph break makes more)")
+            return (f"{where}: that is the number of {counted}; count graphs (a backend is called once per graph, and "
+                    "a graph break makes more)")
         if got == _graphs_for_rows(fn, rows, None):
-            return (f"{where} it returned {got}, what the default dynamic=None compiles (after the first new shape "
-                    "Dynamo makes the dimension dynamic): compile with dynamic=False")
-        return f"{where} it returned {got}, but Dynamo compiles another number of graphs for these shards on this rank"
+            return (f"{where}: that is what the default dynamic=None compiles (after the first new shape Dynamo makes "
+                    "the dimension dynamic); compile with dynamic=False")
+        return f"{where}: count the graphs Dynamo hands the backend for these shards on this rank"
     return None
 
 
@@ -130,15 +145,18 @@ def compiles_once(compile_once, mesh):
     runs one compiled graph.
 
     ``compile_once(fn)`` is called on a function whose eager run adds 1000 (``torch.compiler.is_compiling()`` is
-    False there), then fed this rank's shards of several heights, then one shard of another width. Observed: one
+    False there), then fed this rank's shards of several heights, then one shard of another width (heights and widths
+    drawn for each check). Observed: one
     Dynamo graph for all heights, compiled values for every call (no eager fallback), and one more graph for the
     new width (a width that stays static keeps the graph specialised)."""
     from torch._dynamo.utils import counters
 
     if not callable(compile_once):
         return f"compile_once is a {type(compile_once).__name__}: define a function compile_once(fn)"
-    inputs = local_shards(mesh)
-    wider = local_shards(mesh, HEIGHTS[:1], width=12)[0]
+    rng = case_generator()
+    heights, width = _draw_heights(rng, mesh), rng.randint(6, 10)
+    inputs = local_shards(mesh, heights, width)
+    wider = local_shards(mesh, heights[:1], width=width + rng.randint(1, 6))[0]
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     compiled = compile_once(pointwise_marked)
