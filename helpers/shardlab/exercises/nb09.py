@@ -1,5 +1,5 @@
-"""Judges of ``notebooks/09_memory_planner.ipynb``: one rank's parameters, gradients and optimizer state predicted by
-hand, and the decision whether a layout fits a GPU.
+"""Judges of ``notebooks/09_memory_planner.ipynb``: the bytes of one rank's shards of parameters, gradients and
+optimizer state on its device, predicted by hand, and the decision whether a layout fits a GPU.
 
 Both answers are functions, judged in the notebook's kernel (``sl.check.judged``) on models, layouts and capacities
 the notebook never showed. The first judge measures its own truth: it builds each rank's local shards on the meta
@@ -25,9 +25,11 @@ STATE_CASES = (
 )
 
 
-def _state_truth(model, ddp: int, replica: int, wrapper: str) -> int:
-    """Bytes of this replica's parameters, gradients and Adam state, measured on the meta device: each parameter's
-    local shard (``fully_shard`` cuts dim 0 with torch.chunk, empty shards included), and a real Adam step."""
+def _state_truth(model, ddp: int, replica: int, wrapper: str) -> tuple[int, int]:
+    """(bytes of this replica's shards of the parameters and gradients and of Adam's state on their device, bytes of
+    Adam's state elsewhere), measured on the meta device: each parameter's local shard (``fully_shard`` cuts dim 0
+    with torch.chunk, empty shards included), and a real Adam step. With ``capturable`` and ``fused`` off, Adam puts
+    each step count on the CPU (torch/optim/adam.py, ``_init_group``), away from the meta shards."""
     local = []
     for p in model.parameters():
         if wrapper == "fsdp2":
@@ -40,16 +42,22 @@ def _state_truth(model, ddp: int, replica: int, wrapper: str) -> int:
         t.grad = torch.zeros_like(t)
     optimizer = torch.optim.Adam(local, lr=1e-3)
     optimizer.step()
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor))
-    return 2 * sum(t.numel() * t.element_size() for t in local) + state
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    on_device = sum(v.nbytes for v in state if v.device.type == "meta")
+    return 2 * sum(t.nbytes for t in local) + on_device, sum(v.nbytes for v in state) - on_device
+
+
+def _padded(model, ddp: int) -> int:
+    """Bytes FSDP2 stores for one replica's parameters and gradients: every shard padded to the first's rows
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``padded_sharded_size = chunks[0].size()``)."""
+    return 2 * sum(-(-p.shape[0] // ddp) * p[0].nbytes for p in model.parameters())
 
 
 def state_by_hand(state_bytes) -> str | None:
-    """Exercise 1. Doing it means: for each parameter, the rows this replica holds (all of them with DDP or no
+    """Exercise 1. Doing it means: for each parameter, the rows of this replica's shard (all of them with DDP or no
     wrapper; with FSDP2, torch.chunk's split of dim 0 over the ddp ranks, possibly none), times the bytes of a row;
-    that once for the parameter, once for its gradient, twice for Adam's two moments; plus Adam's step count, one
-    4-byte float32 per parameter tensor.
+    that once for the parameter, once for its gradient, twice for Adam's two moments. Not Adam's step counts: they
+    are on the CPU. Not FSDP2's padding: it is storage the shards' rows do not use, in the planner's peak.
 
     ``state_bytes(model, ddp, replica, wrapper)`` (a model on the meta device, in its dtype) is called for the worked
     problem's model on the other replica and for other models, dtypes, kernels and ddp sizes (more replicas than a
@@ -78,24 +86,42 @@ def state_by_hand(state_bytes) -> str | None:
         return problem
     if len({repr(a) for a in answers}) == 1:
         return f"state_bytes returned {answers[0]!r} for every model and layout: compute it from the arguments"
+    wrong = []  # (what, the mistakes the answer fits) per case it got wrong
     for (what, model, ddp, replica, wrapper), got in zip(cases, answers):
         if not isinstance(got, int) or isinstance(got, bool):
             return f"for {what} it returned {got!r}: return a whole number of bytes (an int)"
-        right = _state_truth(model, ddp, replica, wrapper)
-        if got == right:
-            continue
-        tensors = len(list(model.parameters()))
-        if got == right - 4 * tensors:
-            return (f"for {what} it is {4 * tensors} bytes short: Adam also keeps a step count for each of the "
-                    f"{tensors} parameter tensors, a 4-byte float32")
-        full = _state_truth(model, 1, 0, "ddp")
-        if wrapper == "fsdp2" and got == full:
-            return f"for {what} it counted every parameter whole; FSDP2 keeps only this replica's rows of each"
-        if wrapper == "fsdp2" and abs(got - full / ddp) <= 4 * tensors:
-            return (f"for {what} it is about the whole state divided by ddp, but FSDP2 cuts each parameter's rows "
-                    "with torch.chunk: a parameter with fewer rows than replicas leaves some replicas none")
-        return f"for {what} it returned {got:,} bytes, which is not what that replica holds"
-    return None
+        right, on_cpu = _state_truth(model, ddp, replica, wrapper)
+        if got != right:
+            wrong.append((what, _mistakes(model, ddp, replica, wrapper, got, right, on_cpu)))
+    if not wrong:
+        return None
+    what, first = wrong[0]
+    # Two mistakes can give the same bytes for one case: name the one that explains every case it got wrong.
+    common = [kind for kind in first if all(kind in mistakes for _, mistakes in wrong)]
+    return f"for {what} {first[common[0]] if common else 'it returned bytes that are not what that replica holds'}"
+
+
+def _mistakes(model, ddp: int, replica: int, wrapper: str, got: int, right: int, on_cpu: int) -> dict[str, str]:
+    """What a wrong answer for one case is explained by, most specific first: {kind: what to tell the learner}."""
+    found = {}
+    if got == right + on_cpu:
+        found["steps"] = (f"it also counted Adam's step counts ({on_cpu} bytes): with capturable and fused off, "
+                          "the defaults, Adam keeps each one as a 0-d tensor on the CPU, not on the replica's device")
+    if wrapper != "fsdp2":
+        return found
+    padded = _padded(model, ddp)  # the moments are the other half of ``right``: Adam's zeros_like of each shard
+    if padded != right // 2 and got in (padded + right // 2, 2 * padded):
+        found["padding"] = ("it counted FSDP2's padding: every shard is stored padded to the first shard's rows, "
+                            "but the padding is storage the shard does not use (the planner counts it in its peak); "
+                            "count the rows of this replica's own shard")
+    full, _ = _state_truth(model, 1, 0, "ddp")
+    if got == full:
+        found["whole"] = "it counted every parameter whole; FSDP2 keeps only this replica's rows of each"
+    if abs(got - full / ddp) <= 4 * len(list(model.parameters())):
+        found["divided"] = ("it is about the whole state divided by ddp, but FSDP2 cuts each parameter's rows with "
+                            "torch.chunk: a parameter with fewer rows than replicas leaves some replicas an empty "
+                            "shard")
+    return found
 
 
 def _fits_cases() -> list[tuple]:
