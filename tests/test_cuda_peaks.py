@@ -226,7 +226,7 @@ def test_the_peak_cases_conv_stacks_call_no_cublas():
         model = conv_stack(**live.conv_stack_kwargs(case["model"]), dims=len(shape) - 2)
         levers = live.case_levers(case)
         if levers.checkpoint:
-            use_checkpointing(model)
+            model = use_checkpointing(model)
         step_levers = Levers(checkpoint=levers.checkpoint, autocast=levers.autocast)
         optimizer = torch.optim.Adam(model.parameters())
         x, y = torch.randn(shape), torch.randn(shape)

@@ -280,7 +280,7 @@ def profiled_step_peak(model, field_shape, optimizer: str, dtype, levers) -> int
 
     model = model.to(dtype)
     if levers.checkpoint:
-        use_checkpointing(model)
+        model = use_checkpointing(model)
     opt = plan.OPTIMIZERS[optimizer](model.parameters())
     x = torch.randn(field_shape, dtype=dtype)
     y = torch.randn((field_shape[0], 1, *field_shape[2:]), dtype=dtype)

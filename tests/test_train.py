@@ -1,7 +1,7 @@
 """Training layer: the wrapper choice is validated, the reference is deterministic, and a checkpoint written
-mid-run resumes on a fresh model at exactly the uninterrupted run's losses (DDP and FSDP2, 2 ranks)."""
+mid-run (``save_checkpoint``) and loaded (``Trainer.load_full_state``) resumes on a fresh model at exactly the
+uninterrupted run's losses (DDP and FSDP2, 2 ranks)."""
 
-import contextlib
 import json
 
 import pytest
@@ -59,30 +59,33 @@ def test_one_process_reference_is_deterministic():
     assert a == b and a[1] < a[0]
 
 
-def test_training_step_runs_its_phases_in_order_around_the_work():
+def test_training_step_is_plain_pytorch_that_tools_watch_from_outside():
+    """What the planner's replay relies on, seen through PyTorch's own hooks and an optimizer: the batch, the forward,
+    then ``zero_grad`` just before backward, and the optimizer's step once every gradient is there."""
     from shardlab.models import conv_stack
 
     model = conv_stack(width=4, layers=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     seen = []
 
-    class Phase:
-        def __init__(self, name):
-            self.name = name
+    class Recorded(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            seen.append(("zero_grad", any(p.grad is not None for p in model.parameters())))
+            super().zero_grad(set_to_none)
 
-        def __enter__(self):
-            seen.append(("enter", self.name, any(p.grad is not None for p in model.parameters())))
-
-        def __exit__(self, *exc):
-            seen.append(("exit", self.name, any(p.grad is not None for p in model.parameters())))
-
+    optimizer = Recorded(model.parameters(), lr=0.1)
+    model.register_forward_pre_hook(lambda m, args: seen.append(("forward", args[0] is x)))
+    model.register_full_backward_pre_hook(lambda m, grad: seen.append(("backward", grad[0].shape == y.shape)))
+    optimizer.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append(("step", all(p.grad is not None for p in model.parameters()))))
     x, y = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
-    loss = train.training_step(model, optimizer, lambda: (x, y), phase=Phase)
-    assert [(event, name) for event, name, _ in seen] == [
-        (event, name) for name in train.PHASES for event in ("enter", "exit")]
-    grads_after = {name: has for event, name, has in seen if event == "exit"}
-    assert not grads_after["loss"] and grads_after["backward"]  # backward is where the gradients appear
+
+    def batch():
+        seen.append(("batch", True))
+        return x, y
+
+    loss = train.training_step(model, optimizer, batch)
+    assert seen == [("batch", True), ("forward", True), ("zero_grad", False), ("backward", True), ("step", True)]
     assert loss.item() == pytest.approx(((conv_stack(width=4, layers=2)(x) - y) ** 2).mean().item())
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step moved every weight
 
@@ -128,28 +131,25 @@ def test_levers_name_what_is_on_and_refuse_what_cannot_apply():
 
 
 def test_checkpointing_keeps_the_step_and_saves_only_each_blocks_input():
+    from shardlab.levers import checkpoint_blocks
     from shardlab.measure import SavedActivations
     from shardlab.models import conv_stack
 
     plain, checkpointed = conv_stack(width=4), train.use_checkpointing(conv_stack(width=4))
-    assert [[type(m).__name__ for m in block] for block in checkpointed._checkpoint_blocks] == [
+    assert [[type(m).__name__ for m in block] for block in checkpoint_blocks(checkpointed)] == [
         ["Conv2d"], ["GELU", "Conv2d"], ["GELU", "Conv2d"]]
     assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
     x, y = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8)
     saved = {}
     for name, model in (("plain", plain), ("checkpointed", checkpointed)):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         levers = train.Levers(checkpoint=name == "checkpointed")
-
-        @contextlib.contextmanager
-        def phase(step_phase, model=model, name=name):
-            with SavedActivations(exclude=model.parameters()) if step_phase == "forward" else contextlib.nullcontext(
-                    ) as counter:
-                yield
-            if counter is not None:
-                saved[name] = counter.counted
-
-        train.training_step(model, optimizer, lambda: (x, y), phase=phase, levers=levers)
+        counter = SavedActivations(exclude=model.parameters())  # in the forward only, as measure_rank counts
+        model.register_forward_pre_hook(lambda m, args, counter=counter: counter.__enter__() and None)  # args kept
+        model.register_forward_hook(lambda m, args, out, counter=counter: counter.__exit__(None, None, None))
+        train.training_step(model, optimizer, lambda: (x, y), levers=levers)
+        saved[name] = counter.counted
     for a, b in zip(plain.parameters(), checkpointed.parameters()):
         torch.testing.assert_close(a, b)  # the same step
     width4 = ((1, 4, 8, 8), 4 * 64 * 4)
@@ -174,6 +174,7 @@ def test_autocast_runs_the_forward_in_bf16_and_keeps_the_weights_fp32():
 
 ROUND_TRIP = """
 import json, sys
+import torch
 import torch.distributed as dist
 import shardlab as sl
 sl.init_distributed(60)
@@ -188,7 +189,8 @@ for how, model in (("ddp", sl.models.conv_stack), ("fsdp2", sl.models.conv_stack
     sl.train.save_checkpoint(trainer, path)
     uninterrupted = [trainer.step() for _ in range(2)]
     fresh = sl.train.Trainer(model(seed=99).to(device), mesh, how.split()[0])
-    sl.train.load_checkpoint(fresh, path)
+    # Rank 0 alone reads the file (into host memory); load_full_state broadcasts it to every rank.
+    fresh.load_full_state(torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None)
     result[how] = {"resumed": [fresh.step() for _ in range(2)], "uninterrupted": uninterrupted,
                    "steps_done": fresh.steps_done}
 if dist.get_rank() == 0:

@@ -260,7 +260,7 @@ def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_ne
     assert seen["workaround"] == [True, True] and "workaround error" not in seen, seen
     assert seen["upstream"] == [True, False], (
         "ShardTensor.backward no longer runs backward with torch functions off: delete "
-        f"recompute_with_shard_tensor_handlers from shardlab/workarounds.py and its use in train.py ({seen})")
+        f"recompute_with_shard_tensor_handlers from shardlab/workarounds.py and its use in levers.py ({seen})")
 
 
 def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allocated():

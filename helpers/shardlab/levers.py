@@ -7,6 +7,7 @@ Introduced in ``notebooks/11_memory_levers.ipynb``.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 
@@ -98,38 +99,28 @@ def _run(modules, x):
     return x
 
 
-class _HeldForRecompute(torch.autograd.Function):
-    """The identity, saving its input for backward: a checkpointed block's input, which the checkpoint keeps alive
-    to recompute the block from, is then seen where saved activations are counted (``saved_tensors_hooks``)."""
+class CheckpointedSequential(torch.nn.Sequential):
+    """An ``nn.Sequential`` whose forward checkpoints it block by block (``checkpoint_blocks``): each block with a
+    trainable parameter runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant), which keeps the block's input
+    for backward and recomputes the rest; the others, and every block without gradients, run as usual."""
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _checkpointed_forward(model, x):
-    for block in model._checkpoint_blocks:
-        if any(p.requires_grad for m in block for p in m.parameters()) and torch.is_grad_enabled():
-            x = checkpoint(functools.partial(_run, block), _HeldForRecompute.apply(x), use_reentrant=False,
-                           context_fn=recompute_with_shard_tensor_handlers)
-        else:
-            x = _run(block, x)
-    return x
+    def forward(self, x):
+        for block in checkpoint_blocks(self):
+            if torch.is_grad_enabled() and any(p.requires_grad for m in block for p in m.parameters()):
+                x = checkpoint(functools.partial(_run, block), x, use_reentrant=False,
+                               context_fn=recompute_with_shard_tensor_handlers)
+            else:
+                x = _run(block, x)
+        return x
 
 
-def use_checkpointing(model):
-    """``model`` (an ``nn.Sequential``) with its forward checkpointed block by block (``checkpoint_blocks``), in
-    place: parameter names and the state dict are unchanged."""
-    model._checkpoint_blocks = checkpoint_blocks(model)
-    model.forward = functools.partial(_checkpointed_forward, model)
-    return model
+def use_checkpointing(model) -> CheckpointedSequential:
+    """``model`` (an ``nn.Sequential``) checkpointed block by block: a ``CheckpointedSequential`` of the same child
+    modules, so parameter names and the state dict are unchanged. Use the module it returns."""
+    checkpoint_blocks(model)  # refuses any other model, with what to do instead
+    return CheckpointedSequential(collections.OrderedDict(model.named_children()))
 
 
 def is_checkpointed(model) -> bool:
-    """Whether ``use_checkpointing`` was applied to the model (or to the module DDP wraps)."""
-    return hasattr(getattr(model, "module", model), "_checkpoint_blocks")
+    """Whether the model (or the module DDP wraps) is one ``use_checkpointing`` made."""
+    return isinstance(getattr(model, "module", model), CheckpointedSequential)

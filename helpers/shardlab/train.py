@@ -6,7 +6,6 @@ Introduced in ``notebooks/05_ddp_vs_fsdp2.ipynb``; the capstone (07) builds on i
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,6 @@ from .mesh import domain_source
 # (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
 
 WRAPPERS = ("none", "ddp", "fsdp2")
-PHASES = ("scatter", "forward", "loss", "backward", "step")  # one training step, in order: see ``training_step``
 
 
 def normalized_darcy(samples: int | None = None, split: str = "train", dtype: torch.dtype = torch.float32) -> tuple:
@@ -90,8 +88,9 @@ def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
     ``how``: "none" (gradients averaged by hand in ``train``), "ddp" (all parameters are plain
     tensors; DDP broadcasts rank 0's weights to the replicas), or "fsdp2" (``fully_shard`` on the ddp
     mesh: parameters become DTensors; it broadcasts nothing, so the replicas are synced first too).
-    ``levers``: checkpointing is applied before wrapping, FSDP2's ``param_dtype`` and ``reshard_after_forward``
-    by ``fully_shard``; autocast is ``training_step``'s.
+    ``levers``: checkpointing is applied before wrapping (``use_checkpointing``: the model returned is then a new
+    module of the same children), FSDP2's ``param_dtype`` and ``reshard_after_forward`` by ``fully_shard``; autocast
+    is ``training_step``'s.
     """
     from physicsnemo.domain_parallel import sync_module_over_mesh
 
@@ -99,7 +98,7 @@ def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
         raise ValueError(f"how={how!r}: use one of {WRAPPERS}. FSDP1 and distribute_module are not options here.")
     levers.check(how)
     if levers.checkpoint:
-        use_checkpointing(model)
+        model = use_checkpointing(model)
     if mesh["domain"].size() > 1:
         sync_module_over_mesh(model, mesh["domain"])  # before wrapping: FSDP2 would make them DTensors
     if how == "fsdp2" and mesh["ddp"].size() > 1:
@@ -146,40 +145,28 @@ def average_gradients_by_hand(model, group) -> None:
             p.grad /= size
 
 
-def training_step(model, optimizer, batch, reduce_gradients=None, phase=None, levers: Levers = NO_LEVERS,
-                  autocast=None):
-    """One training step, phase by phase (``PHASES``): ``batch()`` gives (input, target), sharded or not; the
-    model's forward; the mean squared error; ``zero_grad`` and backward; ``reduce_gradients()`` if given, then the
-    optimizer's step. Returns the loss.
+def training_step(model, optimizer, batch, reduce_gradients=None, levers: Levers = NO_LEVERS):
+    """One training step: ``batch()`` gives (input, target), sharded or not; the model's forward and the mean squared
+    error, under ``torch.autocast`` of the input's device when ``levers.autocast`` is set; ``zero_grad`` and backward;
+    ``reduce_gradients()`` if given, then the optimizer's step. Returns the loss.
 
-    ``phase(name)``, if given, is a context manager entered around each phase: how the planner replays this very
-    step on the meta device and how ``sl.plan.measure_rank`` instruments it on real ranks. ``levers.autocast``: the
-    forward and the loss run under ``torch.autocast`` of the input's device, or of ``autocast(dtype)`` if given (the
-    planner's stand-in on the meta device); ``levers.checkpoint`` needs a model ``wrap`` checkpointed.
+    ``levers.checkpoint`` needs a model ``wrap`` checkpointed. Tools watch this step from outside, through what it is
+    given: ``sl.plan`` replays it on the meta device, ``sl.plan.measure_rank`` measures it on ranks.
     """
-    phase = phase or (lambda name: contextlib.nullcontext())
     if levers.checkpoint and not is_checkpointed(model):
         raise ValueError("levers.checkpoint is on but the model is not checkpointed: build it with "
-                         "sl.train.wrap(model, mesh, how, levers) (or sl.train.use_checkpointing(model)).")
-    with phase("scatter"):
-        x, y = batch()
-    if levers.autocast is None:
-        lower = contextlib.nullcontext()
-    else:
-        lower = (autocast or functools.partial(torch.autocast, x.device.type))(dtype=levers.autocast)
+                         "sl.train.wrap(model, mesh, how, levers) (or model = sl.train.use_checkpointing(model)).")
+    x, y = batch()
+    lower = contextlib.nullcontext() if levers.autocast is None else torch.autocast(x.device.type, levers.autocast)
     with lower:
-        with phase("forward"):
-            out = model(x)
-        with phase("loss"):
-            loss = ((out - y) ** 2).mean()
-            del out, x, y  # what backward needs, autograd keeps
-    with phase("backward"):
-        optimizer.zero_grad()
-        loss.backward()
-    with phase("step"):
-        if reduce_gradients is not None:
-            reduce_gradients()
-        optimizer.step()
+        out = model(x)
+        loss = ((out - y) ** 2).mean()
+        del out, x, y  # what backward needs, autograd keeps
+    optimizer.zero_grad()
+    loss.backward()
+    if reduce_gradients is not None:
+        reduce_gradients()
+    optimizer.step()
     return loss
 
 
@@ -217,13 +204,12 @@ class Trainer:
             y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
         return x, y
 
-    def step(self, phase=None) -> float:
-        """One training step (``training_step``); ``phase`` as there, e.g. to measure each phase."""
+    def step(self) -> float:
+        """One training step (``training_step``)."""
         reduce = None
         if self.how == "none" and self.ddp_size > 1:
             reduce = lambda: average_gradients_by_hand(self.model, self.mesh["ddp"].get_group())  # noqa: E731
-        loss = training_step(self.model, self.optimizer, lambda: self.batch(self.steps_done), reduce, phase,
-                             self.levers)
+        loss = training_step(self.model, self.optimizer, lambda: self.batch(self.steps_done), reduce, self.levers)
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         value = value.detach().reshape(1).clone()
         dist.all_reduce(value, group=self.mesh["ddp"].get_group())
@@ -278,13 +264,6 @@ def save_checkpoint(trainer: Trainer, path) -> None:
     if dist.get_rank() == 0:
         torch.save(state, path)
     dist.barrier()  # nobody reads the file before it is complete
-
-
-def load_checkpoint(trainer: Trainer, path) -> None:
-    """Rank 0 alone reads the file; ``load_full_state`` broadcasts it (a collective: every rank calls it)."""
-    # Read into host memory: set_*_state_dict moves each tensor to the device of the parameter it fills.
-    state = torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None  # CPU-only
-    trainer.load_full_state(state)
 
 
 def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, samples=None,

@@ -27,11 +27,13 @@ from .trace import nbytes
 
 
 class _CollectiveSizes(TorchDispatchMode):
-    """Per phase, the bytes of the tensors handed to broadcasts and bucket all-reduces."""
+    """The bytes of the tensors a training step hands to broadcasts before its model's forward begins (the scatter;
+    ``forward_began`` is set from outside, by a forward pre-hook) and to all-reduces in its backward (run by autograd's
+    engine, as DDP's bucket all-reduces are: inside a graph task)."""
 
     def __init__(self):
         super().__init__()
-        self.phase = "setup"
+        self.forward_began = False
         self.largest_broadcast = self.allreduce_total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -39,9 +41,9 @@ class _CollectiveSizes(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
         if func.namespace == "c10d" and tensors:
-            if name == "broadcast_" and self.phase == "scatter":
+            if name == "broadcast_" and not self.forward_began:
                 self.largest_broadcast = max(self.largest_broadcast, max(nbytes(t) for t in tensors))
-            elif name == "allreduce_" and self.phase == "backward":
+            elif name == "allreduce_" and torch._C._current_graph_task_id() != -1:
                 self.allreduce_total += sum(nbytes(t) for t in tensors)
         return out
 
@@ -99,9 +101,10 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, le
     that gradients and optimizer state exist), its parts counted as the planner predicts them. Returns this rank's
     bytes.
 
-    The measured step is ``Trainer.step`` itself, instrumented through its phase hooks: the scatter (largest tensor a
-    broadcast handles), the forward (``SavedActivations``, also excluding the parameters FSDP2 gathers for each
-    layer), the backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
+    The measured step is ``Trainer.step`` itself, watched from outside (module hooks, dispatch modes): the scatter
+    (largest tensor a broadcast handles before the model's forward begins), the forward (``SavedActivations`` from the
+    model's forward pre-hook to its forward hook, also excluding the parameters FSDP2 gathers for each layer), the
+    backward (DDP's bucket all-reduces), FSDP2's unsharded units at their most, then ``state_bytes``.
     ``peak`` is the allocator's peak over the measured step, taken apart from all that (``sl.measure.AllocatorPeak``:
     ``max_memory_allocated`` on a GPU, torch.profiler's memory events on a CPU rank, both counted from before the
     model is wrapped, plus the model's parameters and buffers less what the step frees of them, as FSDP2 frees the
@@ -128,19 +131,23 @@ def _measure_rank(model, mesh, wrapper, samples, shard_dim, levers) -> RankBytes
         trainer = Trainer(model, mesh, wrapper, samples=samples, levers=levers)
         trainer.step()
         saved = SavedActivations(exclude=trainer.model.parameters())
-        hooks = [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
-                 for m in trainer.model.modules()]
         sizes = _CollectiveSizes()
         gathered = _GatheredParameters(fsdp_units(trainer.model) if wrapper == "fsdp2" else [])
 
-        @contextlib.contextmanager
-        def phase(name):
-            sizes.phase = name
-            with saved if name == "forward" else contextlib.nullcontext():
-                yield
+        def forward_begins(module, args):
+            sizes.forward_began = True
+            saved.__enter__()
 
+        def forward_ends(module, args, out):
+            saved.__exit__(None, None, None)
+
+        # Before and after the root's other hooks (prepended, appended): all of its forward, the wrapper's included.
+        hooks = [trainer.model.register_forward_pre_hook(forward_begins, prepend=True),
+                 trainer.model.register_forward_hook(forward_ends, always_call=True)]
+        hooks += [m.register_forward_pre_hook(lambda m, a: saved.exclude(m.parameters(recurse=False)))
+                  for m in trainer.model.modules()]
         with allocator.window(), sizes, gathered:
-            trainer.step(phase)
+            trainer.step()
         for h in hooks:
             h.remove()
     domain = mesh["domain"].size()

@@ -1,7 +1,8 @@
 """Tracing on the meta device: one rank's training step replayed on shapes alone.
 
 ``trace_rank`` runs ``sl.train.training_step`` itself (the step ``Trainer.step`` takes) on a meta copy of the model,
-with the scatter, the sharded convolutions and the byte counters plugged in through its phase hooks.
+and watches it from outside, through what it hands the step: the batch (the scatter), the model (a wrapper that
+counts what the forward saves and shards its convolutions) and the optimizer (``_Replay``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ class _ShardedConvolutions(TorchFunctionMode):
         pads[2 * (x.dim() - 1 - self.dim)], pads[2 * (x.dim() - 1 - self.dim) + 1] = above, below
         xp = F.pad(x, pads)
         self.padded[storage_id(xp)] = (above + below) / xp.shape[self.dim]  # the share of rows not this rank's
+        # A storage freed (inside a checkpointed block, nothing keeps it) leaves its address to a later one.
+        weakref.finalize(xp.untyped_storage(), self.padded.pop, storage_id(xp), None)
         padding[axis] = 0
         return func(**(call | {"input": xp, "padding": tuple(padding)}))
 
@@ -199,17 +202,6 @@ class MetaAutocast(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _CastForwardInputs(torch.nn.Module):
-    """FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` at the root: the input cast to ``param_dtype``."""
-
-    def __init__(self, module, dtype):
-        super().__init__()
-        self.module, self.dtype = module, dtype
-
-    def forward(self, x):
-        return self.module(x.to(self.dtype))
-
-
 def local_slices(extent: int, n: int) -> list[int]:
     """Rows each of n domain ranks holds: ``torch.chunk`` of the sharded dim, which ``scatter_tensor`` (through
     DTensor's ``Shard``) uses. Uneven: the first ranks get ceil(extent / n), the last one the rest."""
@@ -237,15 +229,55 @@ class Trace:
     backward_peak: int = 0  # the high-water mark in backward
 
 
-class _GradientsKept:
-    """The replay's optimizer. The previous step's gradients stay (persistent state, counted with the wrapper's
-    shard shapes), and the optimizer's own step is replayed apart (``optimizer_state``), on those shapes too."""
+class _Replay:
+    """What ``trace_rank`` hands ``training_step`` as its optimizer, and how it sees the step from outside.
+
+    The forward runs through ``forward`` (``_ReplayedModel``): the input cast to FSDP2's ``param_dtype`` if there is
+    one (``MixedPrecisionPolicy(cast_forward_inputs=True)``, at the root), the tensors it saves counted (``saved``),
+    its convolutions sharded (``sharded()``), and autocast's stand-in on for the forward and the loss, until the
+    step's ``zero_grad()``, which it calls just before its backward. There the forward's high-water mark is taken
+    and the backward's contexts are entered, until ``finish()``. The previous step's gradients stay (persistent
+    state, counted with the wrapper's shard shapes), and the optimizer's own step is replayed apart
+    (``optimizer_state``), on those shapes too."""
+
+    def __init__(self, live: LiveBytes, levers: Levers, saved: _SavedOnMeta, sharded):
+        self.live, self.levers, self.saved, self.sharded = live, levers, saved, sharded
+        self.forward_peak = 0
+        self._entered = contextlib.ExitStack()  # entered in one call of the step, left in a later one
+
+    def forward(self, module, x):
+        if self.levers.autocast is not None:
+            self._entered.enter_context(MetaAutocast(self.levers.autocast))  # left at zero_grad, after the loss
+        with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, lambda t: t), self.sharded():
+            return module(x if self.levers.param_dtype is None else x.to(self.levers.param_dtype))
 
     def zero_grad(self):
-        pass
+        self._entered.close()
+        self.forward_peak, self.live.peak = self.live.peak, self.live.live
+        self._entered.enter_context(self.sharded())
+        if self.levers.checkpoint and self.levers.autocast is not None:
+            self._entered.enter_context(MetaAutocast(self.levers.autocast))
+        # As on ranks, where ShardTensor.backward does it: backward runs with torch functions off, and a checkpoint
+        # turns them back on to recompute its block (workarounds.recompute_with_shard_tensor_handlers), so the modes
+        # above act in the recompute only (a mode is off while handling backward).
+        self._entered.enter_context(torch._C.DisableTorchFunction())
 
     def step(self):
         pass
+
+    def finish(self):
+        self._entered.close()
+
+
+class _ReplayedModel(torch.nn.Module):
+    """The model as ``trace_rank`` hands it to the step: its forward run by ``_Replay.forward``."""
+
+    def __init__(self, module, replay: _Replay):
+        super().__init__()
+        self.module, self.replay = module, replay
+
+    def forward(self, x):
+        return self.replay.forward(self.module, x)
 
 
 def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
@@ -255,9 +287,9 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
     kernels' ``workspace``, as ``LiveBytes`` takes it).
 
     ``model`` is already as ``levers`` make it (checkpointed; in ``param_dtype``, whose input cast is added here);
-    autocast runs as ``MetaAutocast``, in the forward and the loss, and again in backward, where checkpointed
-    blocks are recomputed under autocast (its cast weights are then cached for the whole backward: an
-    over-estimate of one low-precision copy of the weights)."""
+    autocast runs as ``MetaAutocast`` (the meta device has no ``torch.autocast``), in the forward and the loss, and
+    again in backward, where checkpointed blocks are recomputed under autocast (its cast weights are then cached for
+    the whole backward: an over-estimate of one low-precision copy of the weights)."""
     padded: dict[int, float] = {}
     params = list(model.parameters())
     saved = _SavedOnMeta({storage_id(p) for p in params}, padded)
@@ -275,36 +307,24 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
             fields.append(full.narrow(dim, start, stop - start).contiguous() if domain > 1 else full)
         return fields
 
-    marks = {}
+    def sharded():
+        if domain == 1:
+            return contextlib.nullcontext()
+        return _ShardedConvolutions(dim, position == 0, position == domain - 1, padded)
 
-    @contextlib.contextmanager
-    def phase(name):
-        if name == "step":
-            marks["after"] = live.live
-        if name == "backward":
-            marks["forward_peak"], live.peak = live.peak, live.live
-        with contextlib.ExitStack() as stack:
-            if name == "forward":
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
-            if name in ("forward", "backward") and domain > 1:
-                stack.enter_context(_ShardedConvolutions(dim, position == 0, position == domain - 1, padded))
-            if name == "backward" and levers.checkpoint and levers.autocast is not None:
-                stack.enter_context(MetaAutocast(levers.autocast))
-            if name == "backward":
-                # As on ranks, where ShardTensor.backward does it: backward runs with torch functions off, and a
-                # checkpoint turns them back on to recompute its block (workarounds.recompute_with_shard_tensor_
-                # handlers), so the modes above act in the recompute only (a mode is off while handling backward).
-                stack.enter_context(torch._C.DisableTorchFunction())
-            yield
-
-    step_model = model if levers.param_dtype is None else _CastForwardInputs(model, levers.param_dtype)
     with LiveBytes(workspace) as live:
-        loss = training_step(step_model, _GradientsKept(), scatter, phase=phase, levers=levers, autocast=MetaAutocast)
+        replay = _Replay(live, levers, saved, sharded)
+        try:
+            # The levers are the replay's own: the model is as they make it, autocast is MetaAutocast.
+            loss = training_step(_ReplayedModel(model, replay), replay, scatter)
+        finally:
+            replay.finish()
+        after = live.live  # what sits under the optimizer step
         del loss
     for p in params:
         p.grad = None
-    peak = max(live.peak, marks["forward_peak"])
-    return Trace(saved.bytes, round(saved.halos), peak, marks["after"], marks["forward_peak"], live.peak)
+    peak = max(live.peak, replay.forward_peak)
+    return Trace(saved.bytes, round(saved.halos), peak, after, replay.forward_peak, live.peak)
 
 
 def optimizer_state(optimizer_name: str, local: list[torch.Tensor]) -> tuple[int, int, int]:
