@@ -5,12 +5,14 @@ blank handout answer ("not answered yet") and each plausible wrong answer kept w
 `make test` runs, so that no notebook executes twice."""
 
 import os
+import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from nbclient.exceptions import CellTimeoutError
 
-from notebook_runner import left_in_temp_folder, run_notebook
+from notebook_runner import SLOW_S, NotebookRun, _timed, left_in_temp_folder, run_notebook
 from ranks import NOTEBOOK_SIZES
 from shardlab import procs
 from shardlab.handout import SOLUTION_TAG
@@ -53,7 +55,7 @@ def test_notebook_runs_at_other_world_sizes(path, ranks, no_leftovers):
     kernel sees no GPU: sl.start_cluster() has no device setting, and a kernel without a GPU starts CPU ranks."""
     placed = NOTEBOOK_SIZES.ranks(ranks).or_skip()
     env = os.environ | {"SHARDLAB_RANKS": str(ranks)} | placed.env | AT_OTHER_WORLD_SIZES.get(path.stem, {})
-    run_notebook(path, rehearse=False, env=env, timeout_s=600)
+    run_notebook(path, rehearse=False, env=env, timeout_s=600, slow_s=SLOW_S * max(1, ranks / 4))
 
 
 def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tmp_path):
@@ -64,3 +66,39 @@ def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tm
     (tmp_path / "capstone-x1y2").mkdir()  # e.g. a checkpoint folder nobody removes
     (registry / "abc.json").write_text("{}")  # a cluster that was never stopped
     assert left_in_temp_folder(tmp_path) == ["capstone-x1y2", f"{registry.name}/abc.json"]
+
+
+def test_the_timing_report_names_the_slowest_cells_and_the_time_outside_them(tmp_path):
+    path = tmp_path / "stalls.ipynb"
+    cells = ["import shardlab as sl", "%%px\nmeasured = sl.plan.measure_rank(model, mesh)", "x = 1\ny = 2"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    run = NotebookRun(path, cell_seconds={0: 3.0, 1: 290.0, 2: 7.25}, seconds=310.0)
+    lines = run.timing_report("failed (CellTimeoutError)").splitlines()
+    assert lines[0] == "stalls.ipynb failed (CellTimeoutError) after 310 s; slowest cells:"
+    assert lines[1].split() == ["cell", "1", "290.0", "s", "%%px", "measured", "=", "sl.plan.measure_rank(model,",
+                                "mesh)"]
+    assert [line.split()[1] for line in lines[2:4]] == ["2", "0"] and lines[4].endswith(": 9.8 s")
+
+
+def test_a_cell_that_fails_or_times_out_still_has_its_time_counted(tmp_path):
+    class Stalling:
+        def execute_cell(self, cell, index):
+            time.sleep(0.05)
+            raise TimeoutError("a cell that never ends")
+
+    run = NotebookRun(tmp_path / "any.ipynb", cell_seconds={3: 1.0})
+    with pytest.raises(TimeoutError):
+        _timed(Stalling(), None, 3, run)
+    assert run.cell_seconds[3] >= 1.05
+
+
+@pytest.mark.notebook
+def test_a_cell_that_never_ends_fails_saying_where_the_kernel_waited(tmp_path, capsys):
+    path = tmp_path / "stalls.ipynb"
+    cells = ["x = 1", "import time\n\ntime.sleep(600)  # waits for nothing that will come"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    with pytest.raises(CellTimeoutError):
+        run_notebook(path, timeout_s=5, rehearse=False)
+    out = capsys.readouterr().out
+    assert "cell 1 timed out after 5 s; where it waited:\nthe kernel was waiting in:" in out, out
+    assert "time.sleep(600)" in out and "stalls.ipynb failed (CellTimeoutError)" in out, out

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ranks import SMOKE
+from shardlab.gpu_record import gpu_status
 from shardlab.launch import run_job
 from shardlab.smoke import CHECKS, run_smoke
 
@@ -20,6 +21,7 @@ def test_single_process_reports_versions_and_device():
     assert report["check"]["ok"] and report["versions"]["nvidia-physicsnemo"]
     assert report["backend"] == ("nccl" if len(report["gpus"]) >= 2 else "gloo")  # one GPU: the cluster is CPU ranks
     assert report["one_rank_runs_on"] == ("cuda" if report["gpus"] else "cpu")
+    assert report["gpu_path"] == gpu_status()  # the committed `make gpu-check` run, or that there is none
 
 
 @pytest.mark.multirank

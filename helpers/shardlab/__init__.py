@@ -28,7 +28,7 @@ needs it.
 import importlib
 
 LAYERS = (
-    ("devices",),
+    ("devices", "gpu_record"),
     ("workarounds", "report", "procs", "launcher_programs", "px"),
     ("launch", "engines"),
     ("mesh", "data", "models", "levers", "warm"),
@@ -47,7 +47,7 @@ _SHORTCUTS = {
     "init_distributed": "launch",
     "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
     "Table": "report", "summarize_rank_errors": "px",
-    "leftover_processes": "procs", "place_ranks": "devices",
+    "leftover_processes": "procs", "place_ranks": "devices", "gpu_status": "gpu_record",
 }
 
 

@@ -11,7 +11,8 @@ GPU count can run is ``plan(gpus)`` (``--plan N`` prints it for N GPUs without r
   ranks as the count allows (one GPU: one CUDA rank, ``devices.place_ranks``).
 
 Each row has its own time budget, says on what it really ran (a row that ran on CPU ranks fails), and is judged;
-the JSON file is rewritten after every row. The whole run has a deadline (``--deadline-s``): a row whose budget no
+the JSON file is rewritten after every row. Committed as ``data/gpu-check.json``, a run is what ``sl.gpu_status()``
+reports (``gpu_record``). The whole run has a deadline (``--deadline-s``): a row whose budget no
 longer fits is reported as not run, one still running at the deadline is stopped. Stopped by the deadline, SIGTERM
 or SIGINT, it stops every process it started. Where the node has GPUs that CUDA cannot use (a driver older than the
 torch wheels need, a GPU they have no code for) it fails before any row, saying so; without a GPU it says so and
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -213,7 +215,7 @@ def checks(gpus: int, json_file: Path | None = None, deadline_s: float | None = 
     previous = signal.signal(signal.SIGALRM, _raise_stopped)
     try:
         for planned in planned_rows:
-            row = {"check": planned["check"], "on": planned["on"]}
+            row = {"name": planned["name"], "check": planned["check"], "on": planned["on"]}
             t0 = time.monotonic()
             if not planned["runs"]:
                 row |= {"status": f"needs {planned['needs']}+ GPUs", "result": "not run with this many GPUs"}
@@ -242,12 +244,22 @@ def checks(gpus: int, json_file: Path | None = None, deadline_s: float | None = 
     return rows
 
 
+def checkout_commit() -> str | None:
+    """The commit of the checkout these checks ran from: what a committed record was measured on."""
+    if not (CHECKOUT / ".git").exists():
+        return None
+    out = subprocess.run(["git", "-C", str(CHECKOUT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout.strip() or None
+
+
 def write_json(path: Path, gpus: int, rows: list[dict], **extra) -> None:
     import torch
 
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "gpus": names, "rows": rows} | extra, indent=1))
+    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": checkout_commit(), "gpus": names,
+                                "rows": rows} | extra, indent=1))
 
 
 def main(argv=None) -> int:

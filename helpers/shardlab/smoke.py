@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from .devices import default_ranks, place_ranks, unusable_gpus, usable_cores
+from .gpu_record import gpu_status
 from .launch import (
     LaunchError,
     default_device,
@@ -166,9 +167,6 @@ def rank_rows(report: dict) -> list[dict]:
     return rows
 
 
-# Until `make gpu-check` has run on a GPU node and its rows are in the README, this is all there is to say.
-GPU_PATH_STATUS = "GPU path: not yet run on GPUs"
-
 # CPU ranks rehearse the program; GPUs prove what only they can. (claim, what proves it, GPUs needed)
 CLAIMS = [
     ("placements, shapes, halos, gradients, byte counts", "the same program on CPU ranks (gloo): carries over", 0),
@@ -222,7 +220,7 @@ def main(argv=None) -> int:
         parser.error("--check-* needs --distributed (run it under torchrun, mpirun or srun)")
 
     if not args.distributed:
-        report = {"mode": "single-process", **machine_facts(), "gpu_path": GPU_PATH_STATUS,
+        report = {"mode": "single-process", **machine_facts(), "gpu_path": gpu_status(),
                   "check": single_process_check()}
         ok = report["check"]["ok"]
         print(json.dumps(report, indent=2))
