@@ -4,6 +4,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import re
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
@@ -214,6 +216,71 @@ def test_ratio_curve_draws_measured_and_ideal():
     assert [t.get_text() for t in ax.texts] == ["1.000", "0.531", "0.288"]
     with pytest.raises(ValueError, match="length"):
         plot.ratio_curve([1, 2], [1.0], [1.0, 0.5])
+
+
+def test_memory_bars_draw_measured_peaks_beside_the_bars():
+    mib = 1024**2
+    fig = plot.memory_bars({"rank 0": {"state": 10 * mib, "activations": 3 * mib}, "rank 1": {"state": 10 * mib}},
+                           peaks={"rank 0": 20 * mib, "rank 1": 12 * mib}, peak_label="CPU allocator's peak")
+    ax = fig.axes[0]
+    (mark,) = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert [seg[0][1] for seg in mark.get_segments()] == [20, 12]  # in MiB, the unit the figure picked
+    assert {"13", "10", "20", "12"} <= set(_texts(ax))
+    assert "CPU allocator's peak" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="peaks"):
+        plot.memory_bars({"a": {"x": 1}}, peaks={"b": 1})
+
+
+UNIT_BYTES = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+PLAIN_NUMBER = re.compile(r"^−?\d{1,3}(,\d{3})*(\.\d+)?$")  # matplotlib writes minus signs as U+2212
+
+
+def _number_labels(ax) -> list[str]:
+    """The y tick labels and the numbers written on the axes, as drawn."""
+    ax.figure.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert ticks and not ax.yaxis.get_offset_text().get_text()  # no "1e6" or "+1.3e4" above the axis
+    return ticks + [t.get_text() for t in ax.texts]
+
+
+@pytest.mark.parametrize("scale, unit, total, peak", [(1, "B", "1", "1.39"), (1024, "KiB", "1", "1.39"),
+                                                      (13_170 * 1024, "MiB", "12.9", "17.9"),
+                                                      (3 * 1024**3, "GiB", "3", "4.17")])
+def test_every_memory_figure_labels_plain_numbers_in_one_named_unit(scale, unit, total, peak):
+    """The capstone's bars once read "1.317e+04" on a KiB axis: each figure picks one unit that suits its largest
+    value and writes plain numbers in it, on the bars, the marks and the ticks."""
+    per_rank = {f"rank {r}": {"state": 0.61 * scale, "activations": (0.39 + 0.07 * r) * scale} for r in range(3)}
+    peaks = {label: 1.3 * sum(parts.values()) for label, parts in per_rank.items()}
+    cases = {"DDP": (per_rank["rank 0"], per_rank["rank 1"]), "FSDP2": (per_rank["rank 1"], per_rank["rank 2"])}
+    figures = [plot.memory_bars(per_rank, peaks=peaks),
+               plot.memory_bars(per_rank, ideal=peaks, capacity=2 * UNIT_BYTES[unit]),
+               plot.predicted_vs_measured(cases, peaks={"DDP": (peaks["rank 0"], peaks["rank 1"])})]
+    for fig in figures:
+        ax = fig.axes[0]
+        assert ax.get_ylabel() == f"bytes ({unit})"
+        labels = _number_labels(ax)
+        assert all(PLAIN_NUMBER.match(label) for label in labels), labels
+        assert total in labels  # rank 0's total, in that unit
+    assert peak in _texts(figures[0].axes[0])  # rank 1's peak beside its mark: 1.3 x 1.07 x scale
+    capacity = [t.get_text() for t in figures[1].axes[0].get_legend().get_texts() if "GPU memory" in t.get_text()]
+    assert capacity == [f"GPU memory: 2 {unit}"]
+
+
+def test_byte_figures_keep_a_unit_they_are_given_and_label_it_plainly():
+    fig = plot.memory_bars({"r": {"a": 13_486 * 1024}}, unit="KiB", capacity=40_000 * 1024)
+    labels = _number_labels(fig.axes[0])
+    assert fig.axes[0].get_ylabel() == "bytes (KiB)" and "13,486" in labels
+    assert all(PLAIN_NUMBER.match(label) for label in labels), labels
+    big = plot.memory_bars({"r": {"a": 3e7}}, unit="B")  # where matplotlib would have written 1e7 above the axis
+    assert all(PLAIN_NUMBER.match(label) for label in _number_labels(big.axes[0]))
+
+
+def test_ratio_curve_labels_plain_ratios():
+    fig = plot.ratio_curve([1, 2, 4, 8], [1.0, 0.5312, 0.2884, 0.00012], [1.0, 0.5, 0.25, 0.125])
+    ax = fig.axes[0]
+    labels = _number_labels(ax)
+    assert all(PLAIN_NUMBER.match(label) for label in labels), labels
+    assert "/" in ax.get_ylabel()  # a ratio of bytes, named as one
 
 
 def test_figures_render_and_use_the_given_axes():

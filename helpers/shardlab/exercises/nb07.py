@@ -1,5 +1,6 @@
 """Judges of ``notebooks/07_capstone.ipynb``: the learner's training step against ``sl.train.Trainer`` (the answer
-key), the learner's checkpoint against the state gathered from a model, and the samples of one step.
+key), the learner's checkpoint against the state gathered from a model under DDP and under FSDP2 (and loaded under the
+other wrapper), and the samples of one step.
 
 Each judge runs on every rank and calls the learner's function on what the learner has not seen: a model, data,
 steps and mesh of its own, built fresh, so that neither an object of the notebook nor a typed-in number can pass.
@@ -10,7 +11,6 @@ are recorded, not blocked, so that every rank takes the same path through the co
 
 from __future__ import annotations
 
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,13 +21,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from .. import train
-from ..check import Watch
+from ..check import Watch, case_generator
 from ..launch import default_device
 from ..mesh import MESH_AXES
 from ..models import conv_stack
 
 STEPS_JUDGED = 3  # enough for gradients left over from one step to show in the next
 JUDGED_SAMPLES = 5  # fewer than the steps judged take at any ddp size: the step must go round the samples again
+# A file that loads under DDP can still hold FSDP2's shards: each wrapper saves, and the other loads.
+CHECKPOINTED_UNDER = ("ddp", "fsdp2")
 
 
 def _watching(*targets) -> Watch:
@@ -51,13 +53,6 @@ def _max_weight_difference(a, b) -> float:
     return max((_full(p) - _full(q)).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def _same_on_every_rank(value):
-    """Rank 0's ``value`` on every rank (the judge's random choices must agree across the ranks)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _judged_data() -> tuple:
     """Samples the notebook never names: a few training samples from the end of the split, in reverse order, in
     float64 as the notebook's (so a step that reads the notebook's own data fails on its numbers, not its dtype)."""
@@ -76,9 +71,9 @@ def step_matches_trainer(train_step, mesh, how, lr):
     call, step the optimizer it was given, and not call the Trainer it rebuilds."""
     if not callable(train_step):
         return f"train_step is a {type(train_step).__name__}: define a function train_step(model, optimizer, ...)"
-    inputs, targets = _judged_data()
-    seed = _same_on_every_rank(random.randrange(100, 10_000))
-    first = _same_on_every_rank(random.randrange(JUDGED_SAMPLES, 4 * JUDGED_SAMPLES))  # a step past the samples
+    inputs, targets, rng = *_judged_data(), case_generator()
+    seed = rng.randrange(100, 10_000)
+    first = rng.randrange(JUDGED_SAMPLES, 4 * JUDGED_SAMPLES)  # a step past the samples
     key = train.Trainer(_judged_model(seed), mesh, how, lr=lr, samples=(inputs, targets))
     key.steps_done = first
     model = train.wrap(_judged_model(seed), mesh, how)
@@ -164,6 +159,8 @@ def _compare_checkpoint(path: Path, model_state: dict, optimizer_state: dict, st
     state = saved["optimizer"].get("state") if isinstance(saved["optimizer"], dict) else None
     if not state:
         return "the optimizer state is empty: Adam's moments would restart from zero"
+    if any(hasattr(v, "to_local") for moments in state.values() if isinstance(moments, dict) for v in moments.values()):
+        return "the optimizer state holds DTensor shards: gather the full tensors (full_state_dict=True)"
     if set(state) != set(optimizer_state["state"]):
         return ("the optimizer state is keyed by parameter numbers, not names (optimizer.state_dict()): use "
                 "get_optimizer_state_dict(model, optimizer, ...), which any wrapper can load")
@@ -184,16 +181,25 @@ def _file_verdict(path: Path, model_state: dict, optimizer_state: dict, step: in
 
 def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
     """Exercise 2: ``save_checkpoint(model, optimizer, step, path)`` leaves one file with the full model and optimizer
-    state (parameter names as keys, no wrapper prefix, no shards) and the step. It is run on a model the judge
-    trained itself, at a step of its own; every rank must gather (a collective under FSDP2) and only rank 0 write
-    (with ``cpu_offload=True`` the other ranks receive ``{}``), without ``sl.train``'s own checkpoint code."""
+    state (parameter names as keys, no wrapper prefix, no shards) and the step. It is judged under both wrappers, the
+    notebook's first, each time on a model the judge trained itself, at a step of its own: every rank must gather (a
+    collective under FSDP2) and only rank 0 write (with ``cpu_offload=True`` the other ranks receive ``{}``), without
+    ``sl.train``'s own checkpoint code; and the file, loaded under the other wrapper, must train on as the model it
+    was saved from did."""
+    if not callable(save_checkpoint):
+        return f"save_checkpoint is a {type(save_checkpoint).__name__}: define a function save_checkpoint(...)"
+    for saved_under in sorted(CHECKPOINTED_UNDER, key=lambda wrapper: wrapper != how):
+        if problem := _checkpoint_under(save_checkpoint, mesh, saved_under, lr):
+            return f"saved from a model under {saved_under.upper()}: {problem}"
+    return None
+
+
+def _checkpoint_under(save_checkpoint, mesh, how, lr):
     import torch.distributed.checkpoint.state_dict as state_dicts
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if not callable(save_checkpoint):
-        return f"save_checkpoint is a {type(save_checkpoint).__name__}: define a function save_checkpoint(...)"
-    seed = _same_on_every_rank(random.randrange(100, 10_000))
-    step = _same_on_every_rank(random.randrange(1000, 10_000))
+    rng = case_generator()
+    seed, step = rng.randrange(100, 10_000), rng.randrange(1000, 10_000)
     trainer = train.Trainer(_judged_model(seed), mesh, how, lr=lr, samples=_judged_data())
     trainer.step()
     model, optimizer = trainer.model, trainer.optimizer
@@ -214,6 +220,7 @@ def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
         dist.broadcast_object_list(verdict, src=0)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(set(calls)))
+        resumed = None if verdict[0] else _resumed_elsewhere(path, trainer, step, seed, lr)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
@@ -231,6 +238,26 @@ def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
     if idle:
         return (f"rank(s) {idle} did not gather both states: gathering is a collective (FSDP2 all-gathers the "
                 "shards), so every rank calls get_model_state_dict and get_optimizer_state_dict")
+    return resumed
+
+
+def _resumed_elsewhere(path: Path, trainer, step: int, seed: int, lr: float) -> str | None:
+    """Every rank: the file loaded into a model of other weights under the other wrapper (rank 0 reads it, then
+    ``broadcast_from_rank0``, as section 6 resumes) must take the next steps at the losses of the model it was saved
+    from: a checkpoint is layout-free, and holds all the state that training reads."""
+    elsewhere = next(wrapper for wrapper in CHECKPOINTED_UNDER if wrapper != trainer.how)
+    fresh = train.Trainer(_judged_model(seed + 1), trainer.mesh, elsewhere, lr=lr, samples=_judged_data())
+    saved = torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else {}  # CPU-only
+    fresh.load_full_state({"model": saved.get("model"), "optimizer": saved.get("optimizer"), "steps_done": step,
+                           "losses": []})
+    trainer.steps_done = step
+    for n in range(STEPS_JUDGED):
+        expected, got = trainer.step(), fresh.step()
+        if abs(got - expected) > 1e-9 * abs(expected):
+            return (f"loaded under {elsewhere.upper()} (rank 0 reads it; broadcast_from_rank0), the {n + 1}. step "
+                    f"after it trains to a loss {abs(got - expected) / abs(expected):.1e} (relative) away from the "
+                    "saved model's: the file must hold all the state training reads, Adam's moments and step "
+                    "counts included")
     return None
 
 
@@ -256,8 +283,9 @@ def samples_of_step(samples_in_step, mesh):
     if not callable(samples_in_step):
         return (f"samples_in_step is a {type(samples_in_step).__name__}: define a function "
                 "samples_in_step(step, mesh, n_samples)")
-    n_samples = _same_on_every_rank(random.randrange(9, 60))
-    steps = _same_on_every_rank(random.sample(range(1, 3 * n_samples), 2))
+    rng = case_generator()
+    n_samples = rng.randrange(9, 60)
+    steps = rng.sample(range(1, 3 * n_samples), 2)
     for judged_mesh in (mesh, _mesh_of_another_shape(mesh)):
         ddp = judged_mesh["ddp"].size()
         for step in steps:

@@ -1,10 +1,13 @@
-"""What every figure module shares: the colours of ranks, groups and categories, byte units, and figures kept out of
-pyplot's registry."""
+"""What every figure module shares: the colours of ranks, groups and categories, byte units and plain-number labels,
+and figures kept out of pyplot's registry."""
 
 from __future__ import annotations
 
+import math
+
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 _LABEL_BOX = {"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8, "linewidth": 0}
@@ -39,8 +42,26 @@ def _figure_and_axes(ax, figsize):
     return fig, fig.add_subplot()
 
 
-def _units(unit: str) -> int:
+def _units(unit: str | None, largest_bytes: float) -> tuple[str, int]:
+    """(unit, bytes per unit) of a memory figure: ``unit`` if given, else the largest unit in which the figure's largest
+    value is at least 1, so that every label reads as a number from 1 to 1023 of one unit."""
+    if unit is None:
+        unit = next((u for u in reversed(_UNITS) if largest_bytes >= _UNITS[u]), "B")
     if unit not in _UNITS:
-        raise ValueError(f"unit={unit!r}: choose one of {list(_UNITS)}.")
-    return _UNITS[unit]
+        raise ValueError(f"unit={unit!r}: choose one of {list(_UNITS)}, or None for the one that suits the figure.")
+    return unit, _UNITS[unit]
+
+
+def _plain(value: float) -> str:
+    """Digits a reader takes in at a glance, never scientific notation ("1.317e+04"): three significant figures, all
+    the digits of a whole number from 100 up, no trailing zeros."""
+    if not math.isfinite(value) or value == 0:
+        return f"{value:g}" if value else "0"
+    text = f"{value:,.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _plain_ticks(axis) -> None:
+    # matplotlib's default switches to an offset or to powers of ten on large or small values.
+    axis.set_major_formatter(FuncFormatter(lambda value, _: _plain(value)))
 

@@ -1,4 +1,5 @@
-"""Bytes per rank and category: stacked bars, predicted against measured, and ratios over mesh sizes."""
+"""Bytes per rank and category: stacked bars, predicted against measured, and ratios over mesh sizes. Byte figures
+share one unit per figure, picked to suit it (``_base._units``), and label in plain numbers (``_base._plain``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import textwrap
 import numpy as np
 from matplotlib.patches import Patch
 
-from ._base import _category_colour, _figure_and_axes, _units
+from ._base import _category_colour, _figure_and_axes, _plain, _plain_ticks, _units
 
 
 def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: float, **style):
@@ -23,18 +24,23 @@ def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: f
     return handles, bottom
 
 
-def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=None, capacity_label="GPU memory"):
+def memory_bars(per_rank, ideal=None, unit=None, title=None, ax=None, capacity=None, capacity_label="GPU memory",
+                peaks=None, peak_label="allocator peak (measured)"):
     """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker.
 
-    ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold.
+    ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold. ``peaks``: {label: bytes}, a
+    measured peak drawn as a red mark across its bar, its value above it. ``unit``: None picks the unit that suits the
+    largest value (``_base._units``).
     """
-    scale = _units(unit)
     labels = list(per_rank)
     categories = list(dict.fromkeys(c for label in labels for c in per_rank[label]))  # first appearance
-    ideal = ideal or {}
-    unknown = set(ideal) - set(labels)
-    if unknown:
-        raise ValueError(f"ideal has labels {sorted(unknown)} that are not in per_rank {labels}.")
+    ideal, peaks = ideal or {}, peaks or {}
+    for name, marks in (("ideal", ideal), ("peaks", peaks)):
+        if unknown := set(marks) - set(labels):
+            raise ValueError(f"{name} has labels {sorted(unknown)} that are not in per_rank {labels}.")
+    largest = max([*(sum(per_rank[label].values()) for label in labels), *ideal.values(), *peaks.values(),
+                   capacity or 0], default=0)
+    unit, scale = _units(unit, largest)
 
     fig, ax = _figure_and_axes(ax, (max(4.0, 0.9 * len(labels) + 2.8), 4.2))
     x = np.arange(len(labels))
@@ -42,41 +48,48 @@ def memory_bars(per_rank, ideal=None, unit="KiB", title=None, ax=None, capacity=
 
     marks = np.array([ideal[label] / scale if label in ideal else np.nan for label in labels])
     has_mark = ~np.isnan(marks)
-    ideal_handles = []
+    mark_handles = []
     if has_mark.any():
-        ideal_handles.append(ax.hlines(marks[has_mark], x[has_mark] - 0.4, x[has_mark] + 0.4, colors="black",
-                                       linewidth=2.5, label="ideal", zorder=3))
-    # The total sits above the ideal mark too, so the mark never strikes through the number.
-    for xi, total, mark in zip(x, bottom, marks):
+        mark_handles.append(ax.hlines(marks[has_mark], x[has_mark] - 0.4, x[has_mark] + 0.4, colors="black",
+                                      linewidth=2.5, label="ideal", zorder=3))
+    peak_marks = np.array([peaks[label] / scale if label in peaks else np.nan for label in labels])
+    if (has_peak := ~np.isnan(peak_marks)).any():
+        mark_handles.append(ax.hlines(peak_marks[has_peak], x[has_peak] - 0.3, x[has_peak] + 0.3, colors="tab:red",
+                                      linewidth=2.5, label=peak_label, zorder=4))
+    near = 0.07 * largest / scale  # about a label's height
+    for xi, total, mark, peak in zip(x, bottom, marks, peak_marks):
+        if not np.isnan(peak):
+            ax.annotate(_plain(peak), (xi, peak), xytext=(0, 2), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7, color="tab:red")
+        # The total sits above the ideal mark too, so the mark never strikes through the number, and above a peak's
+        # label when the two would meet.
         top = total if np.isnan(mark) else max(total, mark)
-        ax.annotate(f"{total:.4g}", (xi, top), xytext=(0, 4), textcoords="offset points", ha="center",
-                    va="bottom", fontsize=8)
+        close = not np.isnan(peak) and abs(peak - top) < 1.5 * near
+        ax.annotate(_plain(total), (xi, max(top, peak) if close else top), xytext=(0, 12 if close else 4),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8)
 
-    capacity_handles = []
     if capacity is not None:
-        capacity_handles.append(ax.axhline(capacity / scale, color="tab:red", linestyle="--", linewidth=1.5, zorder=4,
-                                           label=f"{capacity_label}: {capacity / scale:.4g} {unit}"))
-    limits = [bottom, marks] + ([[capacity / scale]] if capacity is not None else [])
-    peak = np.nanmax(np.concatenate(limits)) if len(labels) else 0
-    ax.set_ylim(0, (peak or 1) * 1.15)
+        mark_handles.append(ax.axhline(capacity / scale, color="tab:red", linestyle="--", linewidth=1.5, zorder=4,
+                                       label=f"{capacity_label}: {_plain(capacity / scale)} {unit}"))
+    ax.set_ylim(0, (largest / scale or 1) * 1.15)
     ax.set_xticks(x, labels, rotation=30 if len(labels) > 6 else 0)
+    _plain_ticks(ax.yaxis)
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title or "memory per rank, by category", fontsize=10)
     # Reversed, so the legend reads top to bottom like the stack.
-    ax.legend(handles=handles[::-1] + ideal_handles + capacity_handles, loc="upper left",
-              bbox_to_anchor=(1.02, 1), fontsize=9, frameon=False)
+    ax.legend(handles=handles[::-1] + mark_handles, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=9,
+              frameon=False)
     return fig
 
 
-def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
+def predicted_vs_measured(cases, unit=None, title=None, ax=None, peaks=None):
     """For each case (a configuration), its predicted and its measured bytes per category as two stacked bars side
     by side: predicted hatched on the left, measured solid on the right, each with its total on top.
 
     ``cases``: {case label: (predicted {category: bytes}, measured {category: bytes})}. ``peaks``: {case label:
     (predicted peak, measured peak)} in bytes, either None where there is none: drawn as a black mark across the
-    bar it belongs to.
+    bar it belongs to. ``unit``: None picks the unit that suits the largest value (``_base._units``).
     """
-    scale = _units(unit)
     labels = list(cases)
     malformed = [label for label in labels if not (isinstance(cases[label], (tuple, list)) and len(cases[label]) == 2)]
     if malformed:
@@ -86,6 +99,9 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
     if unknown:
         raise ValueError(f"peaks has labels {sorted(unknown)} that are not in cases {labels}.")
     categories = list(dict.fromkeys(c for label in labels for side in cases[label] for c in side))
+    largest = max([*(sum(side.values()) for label in labels for side in cases[label]),
+                   *(p for pair in peaks.values() for p in pair if p is not None)], default=0)
+    unit, scale = _units(unit, largest)
 
     fig, ax = _figure_and_axes(ax, (max(5.0, 1.3 * len(labels) + 3.0), 4.4))
     centres = np.arange(len(labels), dtype=float)
@@ -95,7 +111,7 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
         handles, bottom = _stacked(ax, x, [cases[label][side] for label in labels], categories, scale, 0.38, **style)
         tops.append(bottom)
         for xi, total in zip(x, bottom):
-            ax.annotate(f"{total:.4g}", (xi, total), xytext=(0, 3), textcoords="offset points", ha="center",
+            ax.annotate(_plain(total), (xi, total), xytext=(0, 3), textcoords="offset points", ha="center",
                         va="bottom", fontsize=7)
         for xi, label in zip(x, labels):
             peak = (peaks.get(label) or (None, None))[side]
@@ -106,6 +122,7 @@ def predicted_vs_measured(cases, unit="KiB", title=None, ax=None, peaks=None):
                                         label="allocator peak (measured)" if side else "peak (predicted)"))
     ax.set_ylim(0, (max([*np.concatenate(tops), *marks], default=0) or 1) * 1.15)
     ax.set_xticks(centres, [textwrap.fill(label, 16) for label in labels])  # long labels on lines of their own
+    _plain_ticks(ax.yaxis)
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(title or "predicted (hatched, left) and measured (solid, right), by category", fontsize=10)
     sides = [Patch(facecolor="0.85", edgecolor="0.3", hatch="///", label="predicted"),
@@ -133,6 +150,7 @@ def ratio_curve(sizes, measured, ideal, xlabel="domain ranks N", ylabel="bytes p
         ax.set_xscale("log", base=2)  # 1, 2, 4, 8, ... ranks: even spacing instead of a crowded left edge
         ax.minorticks_off()
     ax.set_xticks(list(sizes), [str(s) for s in sizes])
+    _plain_ticks(ax.yaxis)
     top = max([*measured, *ideal], default=1)
     ax.set_ylim(0, top * 1.18 if top > 0 else 1)
     ax.set_xlabel(xlabel)
