@@ -44,7 +44,7 @@ export CUDA_CACHE_PATH           := $(STATE)/nv/ComputeCache# ~/.nv/ComputeCache
 export PIP_CACHE_DIR             := $(STATE)/pip# ~/.cache/pip: downloaded wheels (delete it any time)
 export UV_CACHE_DIR              := $(STATE)/uv# ~/.cache/uv: `make lock`
 export npm_config_cache          := $(STATE)/npm# ~/.npm: the `npm` JupyterLab asks, and its _logs
-# Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.warm; README "Ranks
+# Seconds the ranks a notebook stopped wait for the next notebook before they exit (shardlab.ranks.warm; README "Ranks
 # ready without the wait"); 0: every notebook starts and stops ranks of its own.
 SHARDLAB_KEEP_WARM ?= 900
 
@@ -106,7 +106,7 @@ HANDOUT_DIR := build/handout
 # JupyterLab runs with a pool of warm ranks of its own, stopped when it exits (Ctrl-C twice). Its kernels talk to it
 # over CurveZMQ (transport_encryption=auto: the kernel spec declares curve), as the kernels talk to their ranks.
 lab: $(STAMP)
-	$(VENV)/bin/python -m shardlab.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
+	$(VENV)/bin/python -m shardlab.ranks.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
 		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
 		--KernelManager.transport_encryption=auto $(LAB_ARGS)
 
@@ -146,13 +146,13 @@ test-fast: $(STAMP)
 
 # On a GPU node: what only GPUs prove (NCCL, CUDA engines, allocator peaks, compiled speed); exits 0 without a GPU.
 gpu-check: $(STAMP)
-	$(VENV)/bin/python -m shardlab.gpucheck --json test-artifacts/gpu-check.json
+	$(VENV)/bin/python -m shardlab.tools.gpucheck --json test-artifacts/gpu-check.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 handout: $(STAMP)
-	$(VENV)/bin/python -m shardlab.handout notebooks $(HANDOUT_DIR)
+	$(VENV)/bin/python -m shardlab.tools.handout notebooks $(HANDOUT_DIR)
 
 # The handout as learners get it, in JupyterLab.
 lab-handout: handout
@@ -163,7 +163,7 @@ lab-handout: handout
 morning:
 	@test -x $(VENV)/bin/python || { echo "make morning: no $(VENV) yet: make env (or make lab) creates it" >&2; \
 		exit 1; }
-	$(VENV)/bin/python -m shardlab.morning
+	$(VENV)/bin/python -m shardlab.tools.morning
 
 env: $(STAMP)
 

@@ -13,7 +13,7 @@ the run stops it at the end. Without it, a run that changed the machine outside 
 temp folder fails (tests/machine_changes.py).
 
 Notebooks attach to warm ranks: each process that runs tests (each xdist worker) has a pool of warm clusters
-(shardlab.warm) that tests/notebook_runner.py gives the notebooks it runs, so a notebook's ``sl.start_cluster()``
+(shardlab.ranks.warm) that tests/notebook_runner.py gives the notebooks it runs, so a notebook's ``sl.start_cluster()``
 reuses, after a reset, the ranks the previous notebook of the same size stopped; the pool is stopped at the end.
 ``SHARDLAB_TEST_WARM=off`` makes every notebook start its own ranks. Every other test (faults, Slurm, MPICH,
 restarts, the cluster's start and stop, kernels started by tests) sees no pool: it starts fresh ranks."""
@@ -32,10 +32,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab import procs, warm
+from shardlab.ranks import procs, warm
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
-# share their controller's. shardlab.procs reads it whenever it is asked.
+# share their controller's. shardlab.ranks.procs reads it whenever it is asked.
 # What kernels, Jupyter, matplotlib and Warp would otherwise write into the user's home (IPython history, connection
 # files, font and kernel caches) goes to a folder of the session in the temp folder, removed at its end.
 USER_STATE = {"IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "MPLCONFIGDIR": "matplotlib",

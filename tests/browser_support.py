@@ -78,7 +78,7 @@ def _api(url: str, method: str = "GET"):
 @contextlib.contextmanager
 def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
     """`make lab`'s server, headless on 127.0.0.1 with a random token; yields (base URL, token, api). As under
-    `make lab`, it runs inside ``python -m shardlab.warm run``: a notebook's stopped ranks wait for the next one.
+    `make lab`, it runs inside ``python -m shardlab.ranks.warm run``: a notebook's stopped ranks wait for the next one.
 
     On the way out every kernel is shut down through the REST API (so a notebook's cluster stops with its kernel),
     then the server is terminated (the pool of warm ranks stops with it), and killed if it does not exit.
@@ -90,7 +90,7 @@ def lab_server(root: Path, log_path: Path, startup_timeout_s: float = 120.0):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     command = [
-        sys.executable, "-m", "shardlab.warm", "run", "--",
+        sys.executable, "-m", "shardlab.ranks.warm", "run", "--",
         str(Path(sys.prefix) / "bin" / "jupyter"), "lab", "--no-browser",
         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",

@@ -19,9 +19,9 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from shardlab import procs, warm
-from shardlab.handout import SOLUTION_TAG, blank_source, wrong_answers
-from shardlab.morning import CURVE_KERNELS
+from shardlab.ranks import procs, warm
+from shardlab.tools.handout import SOLUTION_TAG, blank_source, wrong_answers
+from shardlab.tools.morning import CURVE_KERNELS
 
 
 @dataclass

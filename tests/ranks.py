@@ -1,5 +1,5 @@
 """Where the ranks of a test that starts a fixed number of them run on this machine: decided here, once, from
-shardlab.devices' rule and the GPUs this machine has, so that `make test` passes on a laptop and on a workstation
+shardlab.ranks.devices' rule and the GPUs this machine has, so that `make test` passes on a laptop and on a workstation
 with 1, 2, 3, 4 or 8 GPUs alike (tests/test_gpu_workstation.py checks every entry of ``NEEDS`` for each count).
 
 A test is one of two kinds:
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardlab import devices, launch, launcher_programs
-from shardlab.devices import DeviceError, place_ranks
+from shardlab.ranks import devices, launch, programs
+from shardlab.ranks.devices import DeviceError, place_ranks
 
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # what a kernel or CLI honours: its ranks see no GPU, so they are CPU ranks
 
@@ -66,7 +66,7 @@ def ranks_for_test(n: int, *, cpu: bool = False, gpus: int | None = None) -> Ran
                 return Ranks(n, gpus, "cuda", placement.why)
             why, env = placement.why, {}  # one GPU: CPU ranks by the rule, and one-rank work keeps the GPU
     try:
-        launcher_programs.check_ranks_per_core(n, devices.usable_cores())
+        programs.check_ranks_per_core(n, devices.usable_cores())
     except ValueError as refused:
         return Ranks(n, gpus, None, why, skip=f"needs {n} CPU ranks ({why}), which this machine refuses: {refused}")
     return Ranks(n, gpus, "cpu", why, env)
@@ -114,5 +114,5 @@ def run_job_unstarted(monkeypatch, n: int, launcher: str = "torchrun", device: s
 
     monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
     monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
-    job = launch.run_job(launcher, n, "shardlab.smoke", timeout_s=1, device=device)
+    job = launch.run_job(launcher, n, "shardlab.tools.smoke", timeout_s=1, device=device)
     return job.placement, seen["env"]

@@ -1,12 +1,13 @@
-"""The workshop agenda in INSTRUCTORS.md is laid out from its timings table by ``python -m shardlab.agenda``, never
-edited by hand: one day and two days, sessions of whole notebooks with breaks, every notebook once."""
+"""The workshop agenda in INSTRUCTORS.md is laid out from its timings table by
+``python -m shardlab.tools.agenda``, never edited by hand: one day and two days, sessions of whole notebooks with
+breaks, every notebook once."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-from shardlab import agenda
+from shardlab.tools import agenda
 
 INSTRUCTORS = Path(__file__).resolve().parents[1] / "INSTRUCTORS.md"
 TABLE = """| notebook | run time | teaching time | hardware it needs |
@@ -20,7 +21,7 @@ TABLE = """| notebook | run time | teaching time | hardware it needs |
 
 def test_the_agenda_in_instructors_md_is_the_timings_tables():
     assert agenda.main([str(INSTRUCTORS), "--check"]) == 0, (
-        f"run `{sys.executable} -m shardlab.agenda INSTRUCTORS.md` after changing the timings table")
+        f"run `{sys.executable} -m shardlab.tools.agenda INSTRUCTORS.md` after changing the timings table")
 
 
 def test_the_total_teaching_time_is_the_tables_sum():

@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab import launcher_programs as programs
-from shardlab.devices import usable_cores
+from shardlab.ranks import programs
+from shardlab.ranks.devices import usable_cores
 
 
 def test_more_ranks_than_cores_is_explained_then_allowed():

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.bench
 def test_bench_compares_like_with_like_and_accounts_for_its_phases(tmp_path, no_leftovers):
     out = tmp_path / "bench.json"
     # 2 ranks: the rows and how they hang together are what is tested; the README's table is a 4-rank run.
-    proc = subprocess.run([sys.executable, "-m", "shardlab.bench", "--ranks", "2", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "shardlab.tools.bench", "--ranks", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

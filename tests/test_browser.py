@@ -22,7 +22,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from browser_support import CHROMIUM_ARGS, chromium_environment, find_chromium, lab_server
-from shardlab import procs
+from shardlab.ranks import procs
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"

@@ -11,10 +11,9 @@ import torch
 
 import shardlab as sl
 from ranks import DEFAULT_SIZE
-from shardlab import bringup, engines, launch
-from shardlab import cluster as cl
-from shardlab import launcher_programs as programs
-from shardlab.devices import usable_cores
+from shardlab.ranks import bringup, engines, launch, programs
+from shardlab.ranks import cluster as cl
+from shardlab.ranks.devices import usable_cores
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -156,7 +155,7 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsy
         assert listening and set(listening) == {"127.0.0.1"}, listening
         assert cluster.alive_processes()
     assert not cluster.alive_processes()
-    assert not profile.exists() and not (sl.procs.registry() / f"{cluster.cluster_id}.json").exists()
+    assert not profile.exists() and not (sl.ranks.procs.registry() / f"{cluster.cluster_id}.json").exists()
 
 
 # -- who starts the engines: arguments, else the environment (so notebooks run unchanged) --------------------

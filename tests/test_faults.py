@@ -17,7 +17,7 @@ from ipyparallel.error import CompositeError, EngineError, NoEnginesRegistered
 from jupyter_client.manager import start_new_kernel
 
 import shardlab as sl
-from shardlab.px import rank_errors
+from shardlab.ranks.px import rank_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -39,7 +39,7 @@ def test_engines_that_never_start_are_reported_with_what_mpiexec_said(monkeypatc
     broken = tmp_path / "mpiexec"
     broken.write_text("#!/bin/sh\necho 'mpiexec: no slots left on this node' >&2\nexit 3\n")
     broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(sl.engines, "find_mpiexec", lambda flavour="openmpi": str(broken))
+    monkeypatch.setattr(sl.ranks.engines, "find_mpiexec", lambda flavour="openmpi": str(broken))
     cluster = sl.MPICluster(n=2, device="cpu", start_timeout_s=60)
     with pytest.raises(sl.ClusterError, match=r"only 0 of 2 engines registered(.|\n)*no slots left on this node"):
         cluster.start()
@@ -173,7 +173,7 @@ def test_killed_kernel_is_cleaned_up_by_the_next_start(no_leftovers):
         kernel.kill()  # no atexit, no stop(): what a crashed notebook kernel leaves behind
         kernel.wait(10)
         assert sl.leftover_processes(), "expected orphaned engines/controller after the kernel died"
-        assert sl.procs.clean_stale_clusters() >= 1  # what the next start_cluster does first
+        assert sl.ranks.procs.clean_stale_clusters() >= 1  # what the next start_cluster does first
         deadline = time.monotonic() + 20
         while sl.leftover_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -181,7 +181,7 @@ def test_killed_kernel_is_cleaned_up_by_the_next_start(no_leftovers):
     finally:
         if kernel.poll() is None:
             kernel.kill()
-        sl.procs.clean_stale_clusters()  # a failed assertion above must not leave the dead kernel's ranks running
+        sl.ranks.procs.clean_stale_clusters()  # a failed assertion above must not leave the dead kernel's ranks running
 
 
 def test_two_notebooks_at_once_do_not_collide(tmp_path, no_leftovers):

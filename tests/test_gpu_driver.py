@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import notebook_runner
-from shardlab import bench, devices, gpucheck, launch, procs, smoke
+from shardlab.ranks import devices, launch, procs
+from shardlab.tools import bench, gpucheck, smoke
 
 H100, V100 = ("NVIDIA H100 80GB HBM3", "9.0"), ("Tesla V100-SXM2-32GB", "7.0")
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130's
@@ -116,7 +117,7 @@ def test_gpucheck_fails_on_that_node_and_notebook_00_shows_why(node, tmp_path, c
 def test_python_m_shardlab_gpucheck_exits_non_zero_with_the_driver_message(tmp_path):
     folder = fake_nvidia_smi(tmp_path / "bin", [H100] * 4, driver="535.104.05")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"PATH": str(folder)}
-    proc = subprocess.run([sys.executable, "-m", "shardlab.gpucheck"], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-m", "shardlab.tools.gpucheck"], capture_output=True, text=True, env=env,
                           timeout=120)
     needed = devices.CUDA_DRIVER_BRANCH[torch.version.cuda.split(".")[0]]
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -234,7 +235,8 @@ def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
     script = tmp_path / "gpucheck_with_a_sleeping_row.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys
-        from shardlab import gpucheck, launch, procs
+        from shardlab.tools import gpucheck
+        from shardlab.ranks import launch, procs
         gpucheck.visible_gpus = lambda: 1
         gpucheck.unusable_gpus = lambda count: ""
 

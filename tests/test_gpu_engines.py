@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ranks import run_job_unstarted
-from shardlab import cluster as cl
-from shardlab import devices, launch, procs, warm
-from shardlab.bringup import release_for_parking
+from shardlab.ranks import cluster as cl
+from shardlab.ranks import devices, launch, procs, warm
+from shardlab.ranks.bringup import release_for_parking
 
 COMPILE = devices.COMPILE_THREADS
 CORES = 16
@@ -52,17 +52,18 @@ def test_a_job_keeps_the_compile_workers_and_threads_you_chose(monkeypatch, core
 
 @pytest.fixture
 def rank(monkeypatch, cores):
-    """``launch.init_rank`` as an engine runs it, without initialising a process group: what it applied."""
+    """``warm.init_rank`` as an engine runs it, without initialising a process group: what it applied."""
     import torch._inductor.config as inductor_config
 
     applied = {}
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: applied.update(threads=threads))
     monkeypatch.setattr(launch, "init_distributed", lambda timeout_s: SimpleNamespace(as_row=lambda: {}))
+    monkeypatch.setattr(warm, "_SERIES_STATE", {"noted": "before"})  # this test is about threads, not the reset
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "unset")  # init_rank writes them; put back after
 
     def init_rank(threads: int) -> dict:
-        launch.init_rank({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 10, threads)
+        warm.init_rank({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 10, threads)
         return applied | {"config": inductor_config.compile_threads, "env": os.environ.get(COMPILE)}
 
     # Read at import, before the rank chose: the default of a 32-core machine. patch() puts back the value after.
@@ -83,7 +84,7 @@ def test_an_engine_keeps_the_compile_workers_you_chose(rank, monkeypatch):
 
 def test_the_variable_is_what_inductor_reads_when_it_is_imported_after_the_rank_chose():
     """A fresh engine: init_rank runs before PhysicsNeMo (and with it torch._inductor.config) is imported."""
-    code = ("import sys; from shardlab import devices; devices.limit_rank_threads(3)\n"
+    code = ("import sys; from shardlab.ranks import devices; devices.limit_rank_threads(3)\n"
             "assert 'torch._inductor.config' not in sys.modules\n"
             "import torch._inductor.config as c; print('COMPILE_THREADS', c.compile_threads)")
     env = {k: v for k, v in os.environ.items() if k != COMPILE}

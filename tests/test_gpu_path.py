@@ -1,4 +1,4 @@
-"""The GPU path, with the GPU count simulated: one device rule (``shardlab.devices``) that the cluster, run_job,
+"""The GPU path, with the GPU count simulated: one device rule (``shardlab.ranks.devices``) that the cluster, run_job,
 the smoke CLI, bench, measure and gpucheck all follow for 0, 1, 2, 4 and 8 GPUs, with CUDA_VISIBLE_DEVICES slices
 and one GPU per Slurm task; gpucheck's plan of rows per GPU count; strict_fp32 in either order of the TF32 APIs;
 cores from the affinity mask. No GPU needed: every GPU decision is a function of plain inputs or a patched count."""
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from ranks import run_job_unstarted
-from shardlab import bench, devices, engines, gpucheck, launch, launcher_programs, smoke
-from shardlab import cluster as cl
-from shardlab.devices import DeviceError, place_ranks
 from shardlab.measure import tables as measure_tables
+from shardlab.ranks import cluster as cl
+from shardlab.ranks import devices, engines, launch, programs
+from shardlab.ranks.devices import DeviceError, place_ranks
+from shardlab.tools import bench, gpucheck, smoke
 
 GPU_COUNTS = (0, 1, 2, 4, 8)
 
@@ -345,7 +346,7 @@ def test_cores_come_from_the_affinity_mask_not_the_machine(monkeypatch):  # bug 
     monkeypatch.setattr(devices.os, "cpu_count", lambda: 64)
     monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
     assert devices.usable_cores() == 1
-    assert "--oversubscribe" in launcher_programs.mpi_arguments(2)
+    assert "--oversubscribe" in programs.mpi_arguments(2)
     with pytest.raises(ValueError, match=r"5 CPU ranks on 1 CPU core\(s\)"):
         cl.MPICluster(n=5, device="cpu")
     assert smoke.machine_facts()["cpu_cores"] == 1

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import ranks
-from shardlab import cluster as cl
-from shardlab import devices, engines, launch, launcher_programs
-from shardlab.devices import DeviceError
+from shardlab.ranks import cluster as cl
+from shardlab.ranks import devices, engines, launch, programs
+from shardlab.ranks.devices import DeviceError
 
 GPU_COUNTS = (0, 1, 2, 3, 4, 8)
 CORES = 16
@@ -36,7 +36,7 @@ def workstation(monkeypatch):
     for var in ("SHARDLAB_RANKS", "SHARDLAB_ENGINES", "SHARDLAB_MPI", "SLURM_JOB_ID", "SLURM_GPUS",
                 "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK"):
         monkeypatch.delenv(var, raising=False)
-    for module in (devices, launch, engines, launcher_programs):
+    for module in (devices, launch, engines, programs):
         monkeypatch.setattr(module, "usable_cores", lambda: CORES, raising=False)
 
     def set_count(count: int) -> None:

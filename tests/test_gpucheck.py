@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-from shardlab import procs
+from shardlab.ranks import procs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the gpu-marked test runs instead")
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     out = tmp_path / "gpu-check.json"
-    proc = subprocess.run([sys.executable, "-m", "shardlab.gpucheck", "--json", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "shardlab.tools.gpucheck", "--json", str(out)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "No GPU is visible here" in proc.stdout and "make gpu-check" in proc.stdout
@@ -26,7 +26,7 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 def test_on_a_gpu_every_check_passes_or_says_it_needs_more_gpus(tmp_path, no_leftovers):
     out = tmp_path / "gpu-check.json"
     # Rows that do not fit in 780 s are not run; past 900 s gpu-check gets SIGTERM (not SIGKILL), so it stops its ranks.
-    proc = procs.run_process_group([sys.executable, "-m", "shardlab.gpucheck", "--json", str(out), "--deadline-s",
+    proc = procs.run_process_group([sys.executable, "-m", "shardlab.tools.gpucheck", "--json", str(out), "--deadline-s",
                                     "780"], dict(os.environ), 900, "make gpu-check", grace_s=60)
     rows = json.loads(out.read_text())["rows"]
     assert rows and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -38,7 +38,7 @@ def check(makefile: Path | None = None) -> None:
     handout = handout_folder(dry_run("handout", makefile=makefile))
     both = dry_run("lab-handout", makefile=makefile)
     assert handout_folder(both) == handout and lab_folder(both) == handout
-    assert both.index("shardlab.handout") < both.index("jupyter lab"), "the handout is built before it opens"
+    assert both.index("shardlab.tools.handout") < both.index("jupyter lab"), "the handout is built before it opens"
     assert lab_folder(dry_run("lab", makefile=makefile)) == Path("notebooks")
     assert lab_folder(dry_run("lab", f"LAB_DIR={handout}/", makefile=makefile)) == handout
 
@@ -48,7 +48,7 @@ def test_lab_handout_opens_the_folder_make_handout_writes():
 
 
 def test_the_folder_lab_handout_opens_holds_every_notebook_without_solutions(tmp_path):
-    from shardlab.handout import make_handout
+    from shardlab.tools.handout import make_handout
 
     opened = tmp_path / lab_folder(dry_run("lab-handout"))
     written = make_handout(ROOT / "notebooks", opened)

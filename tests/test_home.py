@@ -183,7 +183,7 @@ def test_make_lab_with_a_kernel_and_ranks_writes_nothing_into_the_home_folder(tm
     deadline = time.monotonic() + 60  # make may return before JupyterLab and the pool's clean-up are done
     while _processes_of_group(lab.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _processes_of_group(lab.pid), "JupyterLab or shardlab.warm still running after Ctrl-C twice"
+    assert not _processes_of_group(lab.pid), "JupyterLab or shardlab.ranks.warm still running after Ctrl-C twice"
     assert _files_in(home) == [], f"written into HOME: {_files_in(home)}"
     assert (STATE / "ipython" / "profile_default").is_dir()  # the kernel's IPython wrote into .state instead
 

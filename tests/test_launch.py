@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.devices import usable_cores
-from shardlab.launch import JobFailed, LaunchError, LaunchInfo, detect_launch, run_job
-from shardlab.launcher_programs import ephemeral_range, free_port, job_command, torchrun_command
+from shardlab.ranks.devices import usable_cores
+from shardlab.ranks.launch import JobFailed, LaunchError, LaunchInfo, detect_launch, run_job
+from shardlab.ranks.programs import ephemeral_range, free_port, job_command, torchrun_command
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
@@ -119,8 +119,8 @@ def fake_srun(monkeypatch, tmp_path):
 
 
 def test_srun_command_runs_this_python_as_one_job_step(fake_srun):
-    assert job_command("slurm", 4, "-m", "shardlab.smoke") == [
-        str(fake_srun), "--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "-m", "shardlab.smoke"]
+    assert job_command("slurm", 4, "-m", "shardlab.tools.smoke") == [
+        str(fake_srun), "--ntasks=4", "--kill-on-bad-exit=1", sys.executable, "-m", "shardlab.tools.smoke"]
 
 
 def test_missing_srun_says_where_slurm_comes_from(monkeypatch, tmp_path):
@@ -150,9 +150,9 @@ def test_torchrun_command_is_only_a_command_line(monkeypatch, tmp_path):
     """No temp folder and no exit handler at call time: the job runner owns torchrun's log folder."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(atexit, "register", lambda *a, **k: pytest.fail("torchrun_command registered an exit handler"))
-    cmd = torchrun_command(2, "-m", "shardlab.smoke", log_dir="/logs/here")
+    cmd = torchrun_command(2, "-m", "shardlab.tools.smoke", log_dir="/logs/here")
     assert cmd[:2] == [sys.executable, "-m"] and "--nproc-per-node=2" in cmd and "--log-dir=/logs/here" in cmd
-    assert cmd[-2:] == ["-m", "shardlab.smoke"] and not list(tmp_path.iterdir())
+    assert cmd[-2:] == ["-m", "shardlab.tools.smoke"] and not list(tmp_path.iterdir())
 
 
 def test_a_torchrun_job_without_a_log_folder_is_refused():
@@ -162,7 +162,7 @@ def test_a_torchrun_job_without_a_log_folder_is_refused():
 
 RESULT = """
 import os, sys
-from shardlab.launch import write_job_result
+from shardlab.ranks.launch import write_job_result
 rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
 if rank == 0:
     write_job_result({"args": sys.argv[1:], "world": os.environ["OMPI_COMM_WORLD_SIZE"],
@@ -203,4 +203,4 @@ def test_a_job_of_more_cpu_ranks_per_core_than_the_limit_is_refused_before_it_st
     monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
     too_many = 4 * usable_cores() + 1
     with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on .*SHARDLAB_MAX_RANKS_PER_CORE="):
-        run_job("openmpi", too_many, "shardlab.smoke", timeout_s=1, device="cpu")
+        run_job("openmpi", too_many, "shardlab.tools.smoke", timeout_s=1, device="cpu")

@@ -15,35 +15,62 @@ PACKAGE = Path(shardlab.__file__).parent
 LAYER_OF = {name: i for i, layer in enumerate(shardlab.LAYERS) for name in layer}
 
 
-def shardlab_imports(path: Path, depth: int = 1) -> set[str]:
-    """The shardlab modules a file imports, wherever the import statement sits (``depth`` 2: a subpackage's file)."""
-    found = set()
+def unit_of(dotted: str) -> str | None:
+    """The LAYERS entry a dotted module path under shardlab belongs to (a subpackage counts as one unit)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in LAYER_OF:
+            return ".".join(parts[:i])
+    return None
+
+
+def shardlab_imports(path: Path, package: tuple[str, ...] = ()) -> set[str]:
+    """The shardlab units a file imports, wherever the import statement sits; ``package``: where the file sits
+    under shardlab (``("ranks",)`` for ``ranks/cluster.py``), to resolve relative imports."""
+    targets = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == depth and node.module:  # from .mesh import x (from ..mesh in a subpackage)
-                found.add(node.module.split(".")[0])
-            elif node.level == depth:  # from . import mesh, procs
-                found |= {alias.name for alias in node.names}
-            elif node.module and node.module.startswith("shardlab."):
-                found.add(node.module.split(".")[1])
-            elif node.module == "shardlab":
-                found |= {alias.name for alias in node.names if alias.name in LAYER_OF}
+            if node.level:  # from .mesh import x; from ..ranks import procs; from . import report
+                base = list(package[: len(package) - (node.level - 1)])
+                module = base + (node.module.split(".") if node.module else [])
+            elif node.module and (node.module == "shardlab" or node.module.startswith("shardlab.")):
+                module = node.module.split(".")[1:]
+            else:
+                continue
+            targets.append(".".join(module))
+            targets += [".".join([*module, alias.name]) for alias in node.names]  # the names may be modules
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("shardlab.")}
-    return found
+            targets += [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("shardlab.")]
+    return {unit for target in targets if (unit := unit_of(target))}
 
 
-def module_imports(module: str) -> set[str]:
-    """What a module imports; for a subpackage, what any of its files imports from outside it."""
-    if (PACKAGE / module).is_dir():
-        return set().union(*(shardlab_imports(p, depth=2) for p in (PACKAGE / module).glob("*.py")))
-    return shardlab_imports(PACKAGE / f"{module}.py")
+def unit_files(unit: str) -> list[tuple[Path, tuple[str, ...]]]:
+    """The files of a unit, each with the package it sits in."""
+    path = PACKAGE.joinpath(*unit.split("."))
+    if path.is_dir():
+        return [(p, tuple(unit.split("."))) for p in path.glob("*.py")]
+    return [(path.with_suffix(".py"), tuple(unit.split(".")[:-1]))]
+
+
+def module_imports(unit: str) -> set[str]:
+    """What a unit imports from outside itself."""
+    return set().union(*(shardlab_imports(p, package) for p, package in unit_files(unit))) - {unit}
 
 
 def test_every_module_is_in_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    modules |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    modules = {unit_of(".".join(p.relative_to(PACKAGE).with_suffix("").parts)) or str(p.relative_to(PACKAGE))
+               for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.stem != "__init__"}
+    modules -= {"ranks/__init__.py", "tools/__init__.py"}  # their modules are the units
     assert modules == set(LAYER_OF), f"put {sorted(modules ^ set(LAYER_OF))} in shardlab.LAYERS"
+
+
+def test_the_package_is_grouped_by_who_uses_it():
+    """Lessons' modules at the top; the machinery behind %%px in ranks/; command-line tools in tools/."""
+    for unit in LAYER_OF:
+        group = unit.split(".")[0] if "." in unit else "top"
+        assert group in ("top", "ranks", "tools"), unit
+    assert {u for u in LAYER_OF if u.startswith("tools.")} == {f"tools.{m}" for m in shardlab.tools.MODULES}
+    assert {u for u in LAYER_OF if u.startswith("ranks.")} == {f"ranks.{m}" for m in shardlab.ranks.MODULES}
 
 
 @pytest.mark.parametrize("module", sorted(LAYER_OF))
@@ -55,10 +82,13 @@ def test_imports_only_lower_layers(module):
 
 def test_every_import_form_is_seen_even_inside_functions(tmp_path):
     source = tmp_path / "planted.py"
-    source.write_text("from .mesh import build_mesh\nfrom . import procs, report\nimport shardlab.plot\n"
-                      "from shardlab.cluster import MPICluster\nfrom shardlab import check\n"
-                      "def later():\n    from .train import train\n    import shardlab.smoke as smoke\n")
-    assert shardlab_imports(source) == {"mesh", "procs", "report", "plot", "cluster", "check", "train", "smoke"}
+    source.write_text("from ..mesh import build_mesh\nfrom . import procs\nfrom .. import report\n"
+                      "import shardlab.plot\n"
+                      "from shardlab.ranks.cluster import MPICluster\nfrom shardlab import check\n"
+                      "from ..tools import smoke\n"
+                      "def later():\n    from ..train import train\n    import shardlab.tools.bench as bench\n")
+    assert shardlab_imports(source, package=("ranks",)) == {
+        "mesh", "ranks.procs", "report", "plot", "ranks.cluster", "check", "tools.smoke", "train", "tools.bench"}
 
 
 def test_no_module_is_over_400_lines():

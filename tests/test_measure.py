@@ -11,8 +11,8 @@ import torch
 
 from ranks import MEASURE
 from shardlab import measure
-from shardlab.launch import run_job
 from shardlab.models import conv_stack
+from shardlab.ranks.launch import run_job
 
 
 def test_saved_activations_counts_unique_tensors_and_skips_parameters():
@@ -88,7 +88,7 @@ dist.destroy_process_group()
 
 
 def test_collective_bytes_counts_calls_and_bytes_per_collective():
-    from shardlab.launch import job_environment
+    from shardlab.ranks.launch import job_environment
 
     env = job_environment(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", COLLECTIVES], capture_output=True, text=True, timeout=120, env=env)
@@ -145,8 +145,8 @@ for channels in (1, 4):
 rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, held)
 if dist.get_rank() == 0:
-    sl.launch.write_job_result(rows)
-sl.launch.shutdown_distributed()
+    sl.ranks.launch.write_job_result(rows)
+sl.ranks.launch.shutdown_distributed()
 """
 
 

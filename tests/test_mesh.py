@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardlab import mesh
-from shardlab.launch import run_job
 from shardlab.mesh import MeshError, check_batch_per_domain_group, resolve_mesh_shape
+from shardlab.ranks.launch import run_job
 
 
 @pytest.mark.parametrize(
@@ -86,8 +86,8 @@ for name, case in cases.items():
 rows = [None] * dist.get_world_size()
 dist.all_gather_object(rows, seen)
 if dist.get_rank() == 0:
-    sl.launch.write_job_result(rows)
-sl.launch.shutdown_distributed()
+    sl.ranks.launch.write_job_result(rows)
+sl.ranks.launch.shutdown_distributed()
 """
 
 EXPECTED = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardlab import models
-from shardlab.launch import clean_environment, torchrun_command
+from shardlab.ranks.launch import clean_environment, torchrun_command
 
 
 def test_unet_maps_a_field_to_a_field_of_the_same_shape_and_its_weights_depend_on_the_seed_alone():
@@ -85,7 +85,7 @@ result = {
 }
 if dist.get_rank() == 0:
     print("RESULT", json.dumps(result))
-sl.launch.shutdown_distributed()
+sl.ranks.launch.shutdown_distributed()
 """
 
 

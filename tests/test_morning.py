@@ -1,4 +1,4 @@
-"""The machine check for the morning of a workshop (``make morning``, shardlab.morning): its verdict, what it does
+"""The machine check for the morning of a workshop (``make morning``, shardlab.tools.morning): its verdict, what it does
 with a failing step, a machine without a GPU, a step past its limit; and once for real on this machine."""
 
 import os
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shardlab import devices, gpucheck, morning
-from shardlab.morning import FAILED, OK, SKIPPED, Result
+from shardlab.ranks import devices
+from shardlab.tools import gpucheck, morning
+from shardlab.tools.morning import FAILED, OK, SKIPPED, Result
 
 
 def fake(result_or_error, called=None):
@@ -110,14 +111,14 @@ def test_make_morning_runs_this_check_with_the_venvs_python():
     proc = subprocess.run(["make", "-n", "--no-print-directory", "morning"], cwd=root, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == ".venv/bin/python -m shardlab.morning", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == ".venv/bin/python -m shardlab.tools.morning", proc.stdout
 
 
 @pytest.mark.notebook
 def test_the_morning_check_says_ready_on_this_machine(no_leftovers):
     """The real check, as `make morning` runs it: 00 and 02 on ranks, no GPU here (about 1.5-2 minutes on 2 cores)."""
     # 2 ranks: beside another test's 8 ranks on 2 cores, the default 4 made that test's start outlast its wait.
-    proc = subprocess.run([sys.executable, "-m", "shardlab.morning"], capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([sys.executable, "-m", "shardlab.tools.morning"], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1], env=os.environ | {"SHARDLAB_RANKS": "2"})
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-1] == "ready", proc.stdout[-3000:] + proc.stderr[-2000:]

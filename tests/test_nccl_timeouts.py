@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import workarounds
-from shardlab.launch import free_port
+from shardlab.ranks.launch import free_port
 
 EVERY_VARIABLE = (*workarounds.NCCL_ERROR_HANDLING, *workarounds.NCCL_DUMP_AND_MONITOR)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.devices import place_ranks, visible_gpus
+from shardlab.ranks.devices import place_ranks, visible_gpus
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # What rank 0 of the skipped collective raises, by backend (see workarounds.nccl_errors_raise): gloo's collective

@@ -12,8 +12,8 @@ import pytest
 
 from notebook_runner import left_in_temp_folder, run_notebook
 from ranks import NOTEBOOK_SIZES
-from shardlab import procs
-from shardlab.handout import SOLUTION_TAG
+from shardlab.ranks import procs
+from shardlab.tools.handout import SOLUTION_TAG
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # The default world size is 4 CPU ranks (one per GPU on a GPU node); these also run at 2 and at 8 (on the GPUs where

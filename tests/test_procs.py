@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab import procs
+from shardlab.ranks import procs
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -223,7 +223,7 @@ def _become_nobody():
 
 
 def _second_users_python() -> list[str] | None:
-    """An interpreter the second user may run that imports shardlab.procs: this one, else the system's Python of
+    """An interpreter the second user may run that imports shardlab.ranks.procs: this one, else the system's Python of
     the same version with this environment's packages (this one may sit in root's home, closed to others)."""
     import site
     import sysconfig
@@ -236,7 +236,8 @@ def _second_users_python() -> list[str] | None:
         if python is None:
             continue
         try:
-            probe = subprocess.run([python, "-c", "from shardlab import procs"], env={"PATH": os.environ["PATH"]} | env,
+            probe = subprocess.run([python, "-c", "from shardlab.ranks import procs"],
+                                   env={"PATH": os.environ["PATH"]} | env,
                                    capture_output=True, timeout=60, preexec_fn=_become_nobody, cwd="/")
         except OSError:
             continue
@@ -286,7 +287,7 @@ def test_a_second_user_sees_none_of_our_processes_and_stops_nothing(shared_tmp, 
         created = psutil.Process(ours.pid).create_time()
         out = as_nobody(f"""
 import json
-from shardlab import procs
+from shardlab.ranks import procs
 print(json.dumps([p.pid for p in procs.leftover_processes()]))
 procs.Record("shardlab-theirs", 1, 0.0, {str(profile)!r}, [({ours.pid}, {created})]).save()
 print(procs.clean_stale_clusters())

@@ -5,7 +5,7 @@ import io
 import sys
 from types import SimpleNamespace
 
-from shardlab.px import StatusLine, rank_errors, summarize_rank_errors
+from shardlab.ranks.px import StatusLine, rank_errors, summarize_rank_errors
 
 GLOO_TIMEOUT = (
     "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "

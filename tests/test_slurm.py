@@ -19,8 +19,8 @@ import pytest
 
 import shardlab as sl
 from notebook_runner import run_notebook
-from shardlab import bringup, procs
-from shardlab import cluster as cl
+from shardlab.ranks import bringup, procs
+from shardlab.ranks import cluster as cl
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slurm]
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -43,15 +43,15 @@ def left_in_queue(job: str, wait_s: float = 30.0) -> bool:
 
 
 def test_srun_runs_the_smoke_cli_on_4_ranks_with_every_check(no_leftovers):
-    report = sl.smoke.run_smoke("slurm", 4)
+    report = sl.tools.smoke.run_smoke("slurm", 4)
     assert report["returncode"] == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
-    assert report["command"].endswith("srun --ntasks=4 --kill-on-bad-exit=1 python -m shardlab.smoke --distributed "
-                                      "--domain=2 --check-scatter --check-sync --check-grad")
+    assert report["command"].endswith("srun --ntasks=4 --kill-on-bad-exit=1 python -m shardlab.tools.smoke "
+                                      "--distributed --domain=2 --check-scatter --check-sync --check-grad")
     assert report["mesh"] == {"ddp": 2, "domain": 2}
     assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
     for row in report["ranks"]:
         assert (row["launcher"], row["method"], row["backend"], row["world_size"]) == ("slurm", "slurm", "gloo", 4)
-        assert all(row[name]["ok"] for name in sl.smoke.CHECKS)
+        assert all(row[name]["ok"] for name in sl.tools.smoke.CHECKS)
 
 
 CLUSTER_NOTEBOOK = [
@@ -80,7 +80,7 @@ dist.all_gather_object(gathered, dist.get_rank())""",
 assert cluster.view.pull("total.item()") == [6.0] * 4
 assert cluster.view.pull("gathered") == [[0, 1, 2, 3]] * 4
 cluster.stop()
-assert not sl.procs.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
+assert not sl.ranks.procs.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
 assert not cluster.alive_processes()""",
 ]
 
@@ -118,7 +118,7 @@ INSIDE_ALLOCATION = textwrap.dedent("""
             "allocation": os.environ["SLURM_JOB_ID"], "engine_jobs": cluster.view.pull("job"),
             "engine_steps": cluster.view.pull("step"), "sums": cluster.view.pull("t.item()"),
             "submitted": cluster.slurm_jobs, "profile": cluster.profile_dir,
-            "queued_as_engines": sl.procs.slurm_jobs_named(cluster.job_name),
+            "queued_as_engines": sl.ranks.procs.slurm_jobs_named(cluster.job_name),
             "queue": subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split(),
         }))
 """)

@@ -14,10 +14,11 @@ import pytest
 import torch.distributed.distributed_c10d as c10d
 from physicsnemo.distributed import DistributedManager
 
-from shardlab import cluster as cl
-from shardlab import devices, launch, workarounds
-from shardlab.devices import DeviceError
-from shardlab.launch import JobFailed, run_job
+from shardlab import workarounds
+from shardlab.ranks import cluster as cl
+from shardlab.ranks import devices, launch
+from shardlab.ranks.devices import DeviceError
+from shardlab.ranks.launch import JobFailed, run_job
 
 # -- the GPUs of a job on several nodes ---------------------------------------------------------------------------
 
@@ -73,7 +74,7 @@ def test_slurm_engines_on_two_nodes_of_four_gpus_are_8_cuda_ranks(monkeypatch):
 
 RANK_SCRIPT = """
 import os, sys
-from shardlab.launch import write_job_result
+from shardlab.ranks.launch import write_job_result
 if os.environ["SLURM_PROCID"] == "0":
     write_job_result({"args": sys.argv[1:], "tmp": os.environ["TMPDIR"]})
 """
@@ -148,7 +149,7 @@ def test_rank_0_on_the_launching_node_needs_no_shared_folder(srun_on, no_leftove
 
 
 def test_a_job_folder_goes_to_the_shared_folder_only_for_slurm(tmp_path, monkeypatch):
-    from shardlab.launcher_programs import job_folder
+    from shardlab.ranks.programs import job_folder
 
     monkeypatch.setenv("SHARDLAB_SHARED_DIR", str(tmp_path / "shared"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -263,7 +264,7 @@ def test_a_step_whose_first_node_cannot_be_read_is_refused_with_what_to_set(meet
 
 TWO_NODE_RANK = """
 import torch, torch.distributed as dist
-from shardlab.launch import init_distributed, shutdown_distributed, write_job_result
+from shardlab.ranks.launch import init_distributed, shutdown_distributed, write_job_result
 state = init_distributed(60)
 total = torch.tensor([float(state.rank)])
 dist.all_reduce(total)

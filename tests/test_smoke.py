@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from ranks import SMOKE
-from shardlab.launch import run_job
-from shardlab.smoke import CHECKS, run_smoke
+from shardlab.ranks.launch import run_job
+from shardlab.tools.smoke import CHECKS, run_smoke
 
 
 def test_single_process_reports_versions_and_device():
-    out = subprocess.run([sys.executable, "-m", "shardlab.smoke"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "shardlab.tools.smoke"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["check"]["ok"] and report["versions"]["nvidia-physicsnemo"]
@@ -34,7 +34,8 @@ def test_single_process_reports_versions_and_device():
 def test_distributed_checks_pass_on_every_rank(launcher, n, expected_mesh, expected_method, no_leftovers):
     placed = SMOKE.ranks(n).or_skip()  # CPU ranks, also where GPUs could hold them or would refuse 4 ranks
     # run_smoke's own job, with the device asked for (run_smoke has no device option: it places its ranks itself).
-    job = run_job(launcher, n, "shardlab.smoke", ["--distributed", "--domain=2", *(f"--check-{c}" for c in CHECKS)],
+    job = run_job(launcher, n, "shardlab.tools.smoke",
+                  ["--distributed", "--domain=2", *(f"--check-{c}" for c in CHECKS)],
                   timeout_s=180.0, check=False, device=placed.device)
     report = job.result  # check=False: a job that wrote none raised JobFailed, with its stderr
     assert job.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
@@ -56,5 +57,5 @@ def test_bad_domain_size_exits_with_a_message_not_a_traceback(no_leftovers):
 
 
 def test_checks_without_distributed_is_a_usage_error():
-    out = subprocess.run([sys.executable, "-m", "shardlab.smoke", "--check-grad"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "shardlab.tools.smoke", "--check-grad"], capture_output=True, text=True)
     assert out.returncode == 2 and "needs --distributed" in out.stderr

@@ -11,7 +11,7 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from shardlab import procs, warm
+from shardlab.ranks import procs, warm
 
 pytestmark = pytest.mark.multirank
 SIGNING = "Message signing is disabled"

@@ -9,7 +9,7 @@ import torch
 
 from shardlab import train
 from shardlab.data import load_darcy
-from shardlab.launch import run_job
+from shardlab.ranks.launch import run_job
 
 
 def test_unknown_wrapper_names_the_choices_and_rules_out_fsdp1():
@@ -177,7 +177,7 @@ import json, sys
 import torch.distributed as dist
 import shardlab as sl
 sl.init_distributed(60)
-device = sl.launch.default_device()
+device = sl.ranks.launch.default_device()
 mesh = sl.build_mesh(ddp=-1, domain=1)
 path = sys.argv[1]
 result = {}
@@ -193,7 +193,7 @@ for how, model in (("ddp", sl.models.conv_stack), ("fsdp2", sl.models.conv_stack
                    "steps_done": fresh.steps_done}
 if dist.get_rank() == 0:
     print("RESULT", json.dumps(result))
-sl.launch.shutdown_distributed()
+sl.ranks.launch.shutdown_distributed()
 """
 
 
@@ -216,7 +216,7 @@ import torch.distributed as dist
 import shardlab as sl
 from shardlab.train import Levers
 sl.init_distributed(60)
-device = sl.launch.default_device()
+device = sl.ranks.launch.default_device()
 result = {}
 for layout, how, levers in (((1, 2), "ddp", Levers(checkpoint=True)),
                             ((2, 1), "fsdp2", Levers(checkpoint=True, reshard_after_forward=False)),
@@ -228,7 +228,7 @@ for layout, how, levers in (((1, 2), "ddp", Levers(checkpoint=True)),
     result[f"{how} {layout} {levers}"] = runs
 if dist.get_rank() == 0:
     print("RESULT", json.dumps(result))
-sl.launch.shutdown_distributed()
+sl.ranks.launch.shutdown_distributed()
 """
 
 

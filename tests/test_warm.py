@@ -1,5 +1,5 @@
-"""Warm clusters (shardlab.warm): a parked cluster is claimed by the next notebook of its pool only, comes back with
-nothing of the previous notebook visible, and stops by itself once its idle time is up."""
+"""Warm clusters (shardlab.ranks.warm): a parked cluster is claimed by the next notebook of its pool only, comes
+back with nothing of the previous notebook visible, and stops by itself once its idle time is up."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import shardlab as sl
-from shardlab import procs, warm
+from shardlab.ranks import procs, warm
 
 SHAPE = warm.shape_of(2, "cpu", "mpi", "openmpi", "127.0.0.1", None)
 
@@ -100,11 +100,11 @@ def test_the_keeper_stops_its_cluster_when_the_idle_time_is_up_and_leaves_when_c
 
 def test_run_gives_the_command_a_pool_and_removes_it_after(tmp_path):
     show = [sys.executable, "-c", f"import os; print(os.environ.get({warm.POOL!r}, 'none'))"]
-    out = subprocess.run([sys.executable, "-m", "shardlab.warm", "run", "--idle-s", "60", "--", *show],
+    out = subprocess.run([sys.executable, "-m", "shardlab.ranks.warm", "run", "--idle-s", "60", "--", *show],
                          capture_output=True, text=True, timeout=60, env=os.environ | {"TMPDIR": str(tmp_path)})
     folder = Path(out.stdout.strip())
     assert out.returncode == 0 and folder.parent == tmp_path and not folder.exists(), out
-    off = subprocess.run([sys.executable, "-m", "shardlab.warm", "run", "--idle-s", "0", "--", *show],
+    off = subprocess.run([sys.executable, "-m", "shardlab.ranks.warm", "run", "--idle-s", "0", "--", *show],
                          capture_output=True, text=True, timeout=60)
     assert off.stdout.strip() == "none"  # keeping warm off: no pool
 

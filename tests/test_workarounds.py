@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from shardlab.launch import free_port
+from shardlab.ranks.launch import free_port
 
 TIMEOUT_S = 120
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -251,7 +251,7 @@ def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_ne
             except RuntimeError as error:  # upstream: the recompute runs through DTensor, on mixed tensors
                 seen[name + " error"] = str(error).splitlines()[0][:200]
         print("SEEN", json.dumps(seen))
-        sl.launch.shutdown_distributed()
+        sl.ranks.launch.shutdown_distributed()
         """,
         **_single_rank_env(),
     )

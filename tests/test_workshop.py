@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab.handout import SOLUTION_TAG, blank_source
+from shardlab.tools.handout import SOLUTION_TAG, blank_source
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSHOP = sorted(p for p in (ROOT / "notebooks").glob("0*.ipynb") if "01" <= p.name[:2] <= "07")
@@ -59,7 +59,7 @@ def test_blank_source_refuses_a_cell_that_binds_nothing():
 
 
 def test_handout_contains_no_solutions(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "shardlab.handout", str(ROOT / "notebooks"), str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "shardlab.tools.handout", str(ROOT / "notebooks"), str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "learner notebooks" in proc.stdout, proc.stderr
     for path in WORKSHOP:

@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from .launch import LaunchError, detect_launch
+from .ranks.launch import LaunchError, detect_launch
 
 
 class NotSolved(AssertionError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..launch import LaunchError, detect_launch
+from ..ranks.launch import LaunchError, detect_launch
 
 # (rank, world size, processes per node): one node and several, so a local rank copied from the rank shows.
 TORCHRUN_CASES = ((2, 4, 4), (5, 8, 4), (7, 8, 4), (1, 2, 1))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..check import Watch
-from ..launch import default_device
+from ..ranks.launch import default_device
 
 # (rank, world size, domain size): layouts of other sizes than the notebook's, including domain groups of 1 and 3.
 ARITHMETIC_CASES = ((5, 12, 3), (6, 8, 2), (3, 6, 1), (4, 8, 4), (0, 9, 3))

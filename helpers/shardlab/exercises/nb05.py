@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..check import Watch, earlier_object
-from ..launch import default_device
 from ..measure import strict_fp32
 from ..models import conv_stack
+from ..ranks.launch import default_device
 from ..train import normalized_darcy, wrap
 
 JUDGE_SEED = 100  # the models the judges build: weights no cell of the notebook made

@@ -13,8 +13,8 @@ import functools
 import torch
 
 from ..check import Watch, earlier_object
-from ..launch import default_device
 from ..mesh import shard_bounds
+from ..ranks.launch import default_device
 
 # Field heights whose shards differ in rows between the ranks of a domain group of 2 (64 → 32|32, 63 → 32|31, ...).
 HEIGHTS = (64, 63, 62, 61)

@@ -23,7 +23,7 @@ from ipyparallel.error import EngineError
 
 from . import procs
 from .devices import usable_cores
-from .launcher_programs import (
+from .programs import (
     check_ranks_per_core,
     find_mpiexec,
     mpi_arguments,
@@ -39,7 +39,7 @@ from .px import ClusterError
 # from the launcher's variables instead of MPI, so engines never import mpi4py (an MPI library of
 # its own, which MPICH or Slurm launches would not match).
 ENGINE_CONFIG = """\
-from shardlab.launch import detect_launch
+from shardlab.ranks.launch import detect_launch
 c.IPEngine.id = detect_launch().rank
 c.IPEngine.use_mpi = False
 """
@@ -80,7 +80,7 @@ class EngineLauncher:
     """What every way of starting engines provides. ``engine_set_class`` and ``engine_set_options()`` are what
     ipyparallel builds the engine set from; ``started(engine_sets)`` hands over the running ones."""
 
-    name: str  # the launcher vocabulary of shardlab.launch: openmpi, mpich, slurm
+    name: str  # the launcher vocabulary of shardlab.ranks.launch: openmpi, mpich, slurm
     started_by: str  # how messages name it
     expected_method: str  # what PhysicsNeMo's DistributedManager reports on the engines
     engine_set_class: type = RankEngineSetLauncher

@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from . import devices, procs, workarounds
+from .. import workarounds
+from . import devices, procs
 from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
-# find_mpiexec and torchrun_command are here for callers of sl.launch: notebook 08, and the planner's two launches
+# find_mpiexec and torchrun_command are here for callers of sl.ranks.launch: notebook 08, and the planner's two launches
 # until they use run_job; write_job_result for the programs that run_job runs.
-from .launcher_programs import (
+from .programs import (
     RESULT_FILE,
     LaunchError,
     check_ranks_per_core,
@@ -372,13 +373,6 @@ def default_device():
         return DistributedManager().device
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     return torch.device(accelerator.type, 0) if accelerator is not None else torch.device("cpu")  # CPU-only: none
-
-
-def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
-    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``init_distributed``."""
-    os.environ.update(rendezvous)
-    devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
-    return init_distributed(timeout_s).as_row()
 
 
 def shutdown_distributed() -> None:

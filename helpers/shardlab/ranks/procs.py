@@ -312,7 +312,7 @@ class Record:
     processes: list = field(default_factory=list)
     jobs: list = field(default_factory=list)  # Slurm job ids (engines submitted with sbatch)
     job_name: str = ""  # what those jobs are called: a job is cancelled only if its id still carries this name
-    folder: str = ""  # where the record is kept: the registry, or a pool of warm clusters (shardlab.warm)
+    folder: str = ""  # where the record is kept: the registry, or a pool of warm clusters (shardlab.ranks.warm)
 
     @classmethod
     def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "", folder: str = "") -> Record:

@@ -18,7 +18,7 @@ import psutil
 from . import launch, procs, warm
 from .devices import threads_per_rank, usable_cores
 from .engines import ENGINE_CONFIG, EngineLauncher
-from .launcher_programs import free_port
+from .programs import free_port
 from .px import ClusterError, wait_for
 
 # The controller finishes an engine's registration at its first heartbeat: ipyparallel's default 3 s

@@ -9,7 +9,7 @@ handlers only, the RNG of a new process, memory given back.
 - A pool is an owner-only folder of one user (``run`` makes one around a command, e.g. JupyterLab, and stops what
   is in it when the command ends). It holds the parked clusters' records, profiles and a settings file: how long a
   parked cluster waits, and the origin its processes are marked with (``procs``).
-- A parked cluster has a small keeper process (``python -m shardlab.warm keep``) that owns it: once the idle time
+- A parked cluster has a small keeper process (``python -m shardlab.ranks.warm keep``) that owns it: once the idle time
   is up, the keeper stops it and exits. Claiming is an atomic rename of the parked marker, so one kernel wins.
 - One parked cluster per pool: parking another stops the older one, so a learner holds at most one idle cluster.
 - A kernel never claims the cluster it parked itself: ``stop()`` then ``start_cluster()`` in one notebook asks for
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from . import launch, procs
+from . import devices, launch, procs
 
 POOL = "SHARDLAB_WARM_POOL"
 SETTINGS = "pool-settings"
@@ -178,7 +178,7 @@ def park(pool: Pool, record: procs.Record, shape: dict) -> None:
     parked = Parked(str(pool.folder / f"{record.cluster_id}{PARKED}"), record.cluster_id, shape,
                     [me.pid, me.create_time()], time.time() + pool.idle_s, [])
     parked.save()
-    keeper_id = list(procs.start_detached([sys.executable, "-m", "shardlab.warm", "keep", parked.path],
+    keeper_id = list(procs.start_detached([sys.executable, "-m", "shardlab.ranks.warm", "keep", parked.path],
                                           os.environ | pool.marked_environment()))
     record.owner_pid, record.owner_created = keeper_id
     record.save()
@@ -237,11 +237,15 @@ def restore_registry(snapshot: dict) -> None:
 
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
-    """``launch.init_rank``, then, at a rank's first initialisation, a note of the series' own state: ShardTensor's
-    handler registries (the handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the
-    environment the rank was started with (before any import wrote into it: torch sets its compile cache folder
-    there, inside the temp folder of the kernel that started the rank)."""
-    state = launch.init_rank(rendezvous, timeout_s, threads)
+    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``launch.init_distributed``.
+
+    At a rank's first initialisation, it also notes the series' own state: ShardTensor's handler registries (the
+    handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the environment the rank was
+    started with (before any import wrote into it: torch sets its compile cache folder there, inside the temp folder
+    of the kernel that started the rank)."""
+    os.environ.update(rendezvous)
+    devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
+    state = launch.init_distributed(timeout_s).as_row()
     if not _SERIES_STATE:
         import torch
         from physicsnemo.domain_parallel import ShardTensor
@@ -368,7 +372,7 @@ def run(command: list[str], idle_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardlab.warm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m shardlab.ranks.warm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     run_parser = sub.add_parser("run", help="run a command (JupyterLab) with a pool of warm clusters of its own")
     run_parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S,

@@ -1,4 +1,4 @@
-"""Start-up and step costs, measured side by side in one run: ``python -m shardlab.bench [--json FILE]``.
+"""Start-up and step costs, measured side by side in one run: ``python -m shardlab.tools.bench [--json FILE]``.
 
 Two comparisons, each against the same work done without the cluster:
 
@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from .devices import default_ranks, place_ranks, usable_cores, visible_gpus
-from .launch import run_job, write_job_result
-from .report import Table
+from ..ranks.devices import default_ranks, place_ranks, usable_cores, visible_gpus
+from ..ranks.launch import run_job, write_job_result
+from ..report import Table
 
 STEPS = 5
 
@@ -31,7 +31,7 @@ def same_work() -> dict[str, float]:
     seconds per phase."""
     import torch.distributed as dist
 
-    from .launch import init_distributed
+    from ..ranks.launch import init_distributed
 
     state = init_distributed(60)
     rows = [None] * state.world_size
@@ -42,10 +42,10 @@ def same_work() -> dict[str, float]:
 def ddp_steps() -> float:
     """On every rank, DistributedManager ready: seconds for STEPS DDP steps of the surrogate on a
     (ddp, domain=2) mesh, after one warm-up step (first-call costs are not the workload)."""
-    from .launch import default_device
-    from .mesh import build_mesh
-    from .models import conv_stack
-    from .train import Trainer
+    from ..mesh import build_mesh
+    from ..models import conv_stack
+    from ..ranks.launch import default_device
+    from ..train import Trainer
 
     trainer = Trainer(conv_stack(seed=0).to(default_device()), build_mesh(ddp=-1, domain=2), "ddp")
     trainer.step()
@@ -56,10 +56,10 @@ def ddp_steps() -> float:
 
 
 def _on_ranks(name: str) -> None:
-    """What ``python -m shardlab.bench --job NAME`` runs on every rank of a job."""
+    """What ``python -m shardlab.tools.bench --job NAME`` runs on every rank of a job."""
     import torch.distributed as dist
 
-    from .launch import init_distributed, shutdown_distributed
+    from ..ranks.launch import init_distributed, shutdown_distributed
 
     if name == "same-work":
         result = same_work()
@@ -73,14 +73,14 @@ def _on_ranks(name: str) -> None:
 
 def _job(launcher: str, n: int, name: str, device: str):
     """(wall seconds, rank 0's result) of ``--job NAME`` on n ranks of ``device``."""
-    job = run_job(launcher, n, "shardlab.bench", ["--job", name], timeout_s=600, device=device)
+    job = run_job(launcher, n, "shardlab.tools.bench", ["--job", name], timeout_s=600, device=device)
     return job.seconds, job.result
 
 
 def run(n: int | None = None) -> list[dict]:
     """The rows, on ``n`` ranks (default: one per GPU, an even count: the workload's mesh has domain groups of 2;
     4 CPU ranks without two GPUs)."""
-    from .cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
+    from ..ranks.cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
 
     rows = []
     gpus = visible_gpus()
@@ -92,7 +92,7 @@ def run(n: int | None = None) -> list[dict]:
         cluster_phases = cluster.timings
         rank_phases = {k: max(s["phases"][k] for s in cluster.states) for k in cluster.states[0]["phases"]}
         t0 = time.perf_counter()
-        cluster.run("import shardlab.bench\nworkload_s = shardlab.bench.ddp_steps()", timeout_s=300,
+        cluster.run("import shardlab.tools.bench\nworkload_s = shardlab.tools.bench.ddp_steps()", timeout_s=300,
                     what="run the workload")
         px_wall = time.perf_counter() - t0
         px_workload = max(cluster.view.pull("workload_s"))
@@ -132,7 +132,7 @@ def machine() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardlab.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardlab.tools.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, help="ranks of the cluster and of the scripts (default: one per GPU, an "
                                                   "even count, with two or more; else 4)")
     parser.add_argument("--json", help="also write the rows, machine and date as JSON to this file")

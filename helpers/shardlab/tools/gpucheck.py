@@ -1,4 +1,4 @@
-"""What only GPUs prove, in one command: ``python -m shardlab.gpucheck [--json FILE]`` (``make gpu-check``).
+"""What only GPUs prove, in one command: ``python -m shardlab.tools.gpucheck [--json FILE]`` (``make gpu-check``).
 
 CPU ranks rehearse the program; this runs, on the GPUs this machine has, what they cannot show. Which rows a
 GPU count can run is ``plan(gpus)`` (``--plan N`` prints it for N GPUs without running anything):
@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import procs
-from .devices import place_ranks, unusable_gpus, visible_gpus
-from .launch import clean_environment, run_job
-from .plan import gpu_check as plan_gpu_check
-from .px import rank_errors, summarize_rank_errors
-from .report import Table
+from ..plan import gpu_check as plan_gpu_check
+from ..ranks import procs
+from ..ranks.devices import place_ranks, unusable_gpus, visible_gpus
+from ..ranks.launch import clean_environment, run_job
+from ..ranks.px import rank_errors, summarize_rank_errors
+from ..report import Table
 from .smoke import run_smoke
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # helpers/shardlab/gpucheck.py in a checkout of the repository
@@ -43,7 +43,7 @@ COLLECTIVE_TIMEOUT_S = 10
 SKIPPED_COLLECTIVE = """\
 import torch, torch.distributed as dist
 import shardlab as sl
-x = torch.ones(1, device=sl.launch.default_device())
+x = torch.ones(1, device=sl.ranks.launch.default_device())
 if dist.get_rank() == 0:
     dist.all_reduce(x)
     x.item()
@@ -186,7 +186,7 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
 def skipped_collective(timeout_s: float) -> tuple[str, bool]:
     """Two CUDA engines; rank 1 skips a collective rank 0 enters: the cell must fail within the collective timeout
     (plus the watchdog's reaction), naming rank 1 as the one that never arrived."""
-    from .cluster import MPICluster
+    from ..ranks.cluster import MPICluster
 
     with MPICluster(n=2, timeout_s=COLLECTIVE_TIMEOUT_S, start_timeout_s=timeout_s) as cluster:
         t0 = time.monotonic()
@@ -251,7 +251,7 @@ def write_json(path: Path, gpus: int, rows: list[dict], **extra) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardlab.gpucheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardlab.tools.gpucheck", description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows, the GPUs and the date to this file (after every row)")
     parser.add_argument("--plan", type=int, metavar="GPUS", help="print the rows GPUS GPUs would run, run nothing")
     parser.add_argument("--deadline-s", type=float, help="seconds for the whole run: rows whose budget no longer fits "

@@ -1,4 +1,4 @@
-"""The machine check for the morning of a workshop: ``python -m shardlab.morning`` (``make morning``).
+"""The machine check for the morning of a workshop: ``python -m shardlab.tools.morning`` (``make morning``).
 
 A few minutes instead of ``make test``'s twenty and more. Its steps, each printed as it starts and ends:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from . import procs
+from ..ranks import procs
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # helpers/shardlab/morning.py in a checkout of the repository
 KERNEL = "shardlab"
@@ -161,7 +161,7 @@ def step_notebook(path: Path, limit_s: float) -> Result:
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    from .warm import POOL
+    from ..ranks.warm import POOL
 
     nb = nbformat.read(path, as_version=4)
     ends = time.monotonic() + limit_s - 20  # the last 20 s: for the kernel's stop and the report
@@ -201,8 +201,8 @@ def step_notebook(path: Path, limit_s: float) -> Result:
 
 
 def step_gpu() -> Result:
+    from ..ranks.devices import unusable_gpus, visible_gpus
     from . import gpucheck
-    from .devices import unusable_gpus, visible_gpus
 
     gpus = visible_gpus()
     if problem := unusable_gpus(gpus):
@@ -229,7 +229,7 @@ def step_gpu() -> Result:
 
 
 def child(args: list[str], limit_s: float, what: str) -> Result:
-    """Run ``python -m shardlab.morning --step ARGS`` in a process group of its own, at most ``limit_s`` seconds
+    """Run ``python -m shardlab.tools.morning --step ARGS`` in a process group of its own, at most ``limit_s`` seconds
     (then it and all it started are stopped, and the Result names ``what`` it waited for): the Result it wrote.
 
     Its output goes to a file, never to a pipe: a kernel or a rank that outlived it would hold a pipe open. What it
@@ -237,14 +237,14 @@ def child(args: list[str], limit_s: float, what: str) -> Result:
     step = args[1] if args[0] == "notebook" else args[0]
     own = f"{procs.origin()}/{step}-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="shardlab-morning-", ignore_cleanup_errors=True) as folder:
-        cmd = [sys.executable, "-m", "shardlab.morning", "--step", *args, "--out", folder]
+        cmd = [sys.executable, "-m", "shardlab.tools.morning", "--step", *args, "--out", folder]
         try:
             proc = procs.run_process_group(cmd, os.environ | {procs.ORIGIN: own}, limit_s, what, capture=False,
                                            grace_s=10)
         except TimeoutError:
             return Result(step, FAILED, f"still {what} after {limit_s:.0f} s", [
                 f"{what} did not finish within {limit_s:.0f} s, so it was stopped: run it alone "
-                f"(`python -m shardlab.morning --step {' '.join(args)}`) to see where it waits"])
+                f"(`python -m shardlab.tools.morning --step {' '.join(args)}`) to see where it waits"])
         finally:
             procs.stop(procs.leftover_processes(own))
         try:
@@ -278,7 +278,7 @@ def run_steps(runs, deadline_s: float = DEADLINE_S, out=print) -> list[Result]:
         if granted < MIN_STEP_S:
             result = Result(name, FAILED, f"not run: the check's {deadline_s:.0f} s were spent before it", [
                 f"not run: the {deadline_s:.0f} s of the whole check were spent before it. On a busy machine give it "
-                "more: `.venv/bin/python -m shardlab.morning --deadline-s 600`"])
+                "more: `.venv/bin/python -m shardlab.tools.morning --deadline-s 600`"])
             out(f"[{i}/{len(runs)}] {name}: {result.detail}", flush=True)
             results.append(result)
             continue
@@ -318,7 +318,7 @@ def run_one_step(step: list[str], out: Path | None) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardlab.morning", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardlab.tools.morning", description=__doc__.splitlines()[0])
     parser.add_argument("--step", nargs="+", help="run one step in this process and print its result as JSON "
                                                   "(imports | notebook PATH LIMIT_S | gpu)")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="seconds for the whole check; a step "

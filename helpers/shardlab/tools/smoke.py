@@ -1,4 +1,4 @@
-"""Smoke test of the stack, as JSON: ``python -m shardlab.smoke [--distributed] [--check-...]``.
+"""Smoke test of the stack, as JSON: ``python -m shardlab.tools.smoke [--distributed] [--check-...]``.
 
 Single process without flags. Under torchrun, mpirun or srun with ``--distributed`` it builds a
 ``(ddp, domain)`` mesh and runs the requested checks on every rank; rank 0 prints one JSON
@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from .devices import default_ranks, place_ranks, unusable_gpus, usable_cores
-from .launch import (
+from ..measure import max_diff_to_source
+from ..mesh import MeshError, build_mesh, domain_source
+from ..ranks.devices import default_ranks, place_ranks, unusable_gpus, usable_cores
+from ..ranks.launch import (
     LaunchError,
     default_device,
     init_distributed,
@@ -28,8 +30,6 @@ from .launch import (
     shutdown_distributed,
     write_job_result,
 )
-from .measure import max_diff_to_source
-from .mesh import MeshError, build_mesh, domain_source
 
 # PhysicsNeMo is imported inside the checks: notebook 00 reads machine facts in its kernel
 # without paying for PhysicsNeMo's import.
@@ -197,11 +197,11 @@ def what_this_machine_proves(facts: dict) -> list[dict]:
 
 
 def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, timeout_s: float = 180.0) -> dict:
-    """Run ``python -m shardlab.smoke --distributed`` on n ranks with ``launcher`` (torchrun, openmpi or
+    """Run ``python -m shardlab.tools.smoke --distributed`` on n ranks with ``launcher`` (torchrun, openmpi or
     mpich on this machine, or slurm's srun); return its JSON report, with ``command``, ``seconds`` and
     ``returncode`` added (a failed check: ``ok`` False and a non-zero exit code, not an exception)."""
     args = ["--distributed", f"--domain={domain}", *(f"--check-{c}" for c in checks)]
-    job = run_job(launcher, n, "shardlab.smoke", args, timeout_s=timeout_s, check=False)
+    job = run_job(launcher, n, "shardlab.tools.smoke", args, timeout_s=timeout_s, check=False)
     return job.result | {
         "command": " ".join(job.command).replace(sys.executable, "python").replace(
             os.path.dirname(sys.executable) + os.sep, ""),
@@ -209,7 +209,7 @@ def run_smoke(launcher: str, n: int = 2, checks=tuple(CHECKS), domain: int = 2, 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardlab.smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardlab.tools.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("--distributed", action="store_true", help="run on every rank of a torchrun/mpirun/srun launch")
     parser.add_argument("--domain", type=int, default=2, help="domain-parallel size; ddp = world / domain (default 2)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds any collective may wait (default 30)")

@@ -1,6 +1,6 @@
 """Learner handout: the notebooks with every solution cell blanked.
 
-``python -m shardlab.handout [SRC] [OUT]`` (``make handout``) copies ``notebooks/`` to
+``python -m shardlab.tools.handout [SRC] [OUT]`` (``make handout``) copies ``notebooks/`` to
 ``build/handout/``. A cell tagged ``solution`` keeps its ``%%px`` line, and each name it
 assigns becomes ``name = ...``, which the exercise check reports as "not answered yet".
 """
