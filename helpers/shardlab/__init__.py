@@ -7,7 +7,7 @@ Three groups, by who uses them:
 - ``ranks``: the machinery behind ``%%px`` and jobs of ranks (see ``shardlab/ranks/__init__.py``);
 - ``tools``: the command-line tools, ``python -m shardlab.tools.<name>`` (see ``shardlab/tools/__init__.py``).
 
-Layers, lowest first. A module imports only from layers below its own; ``tests/test_layers.py`` checks every
+Layers, lowest first. A module imports only from layers below its own; ``tests/unit/test_layers.py`` checks every
 import, including those inside functions, against this list.
 
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have

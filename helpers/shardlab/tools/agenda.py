@@ -5,7 +5,7 @@ The table gives each notebook its run time (measured: ``pytest --nbmake notebook
 time (the run plus reading and exercises). This lays the teaching times out into a one-day and a two-day agenda with
 breaks and writes it into the file between the two agenda markers, so the agenda follows the table and is never
 edited by hand. ``--check`` changes nothing and exits 1 when the agenda in the file is not the table's
-(tests/test_agenda.py).
+(tests/unit/test_agenda.py).
 
 The layout: sessions of whole notebooks, each at most ``SESSION_MAX_MIN`` minutes, from ``START``; a coffee break
 between sessions, and lunch at the break nearest ``LUNCH_AT``. The two-day agenda splits the notebooks where the

@@ -6,7 +6,7 @@ A few minutes instead of ``make test``'s twenty and more. Its steps, each printe
    (the venv's stamp is newer than requirements.txt); torch, physicsnemo, ipyparallel and shardlab import; the
    ``shardlab`` kernel spec that Jupyter finds starts this venv's Python;
 2. the notebooks ``00_setup`` and ``02_device_mesh`` (the shortest one on ranks), top to bottom, as
-   tests/test_notebooks.py runs them (nbclient, the ``shardlab`` kernel, a temp folder of their own), at this
+   tests/notebooks/test_notebooks.py runs them (nbclient, the ``shardlab`` kernel, a temp folder of their own), at this
    machine's default size (``SHARDLAB_RANKS`` when set), on ranks of their own (no warm pool);
 3. GPUs: ``make gpu-check``'s quick rows (the NCCL smoke test on 2+ GPUs, the TF32 error on 1+) where there are
    GPUs; skipped, saying so, where there are none.
@@ -154,7 +154,8 @@ def step_imports() -> Result:
 
 
 def step_notebook(path: Path, limit_s: float) -> Result:
-    """Run one notebook top to bottom as tests/test_notebooks.py does, in a temp folder of its own, without the
+    """Run one notebook top to bottom as tests/notebooks/test_notebooks.py does, in a temp folder of its own, without
+    the
     learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs) is
     stopped and named."""
     import nbformat
