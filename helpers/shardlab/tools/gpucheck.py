@@ -36,7 +36,7 @@ from ..ranks.px import rank_errors, summarize_rank_errors
 from ..report import Table
 from .smoke import run_smoke
 
-CHECKOUT = Path(__file__).resolve().parents[2]  # helpers/shardlab/gpucheck.py in a checkout of the repository
+CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/gpucheck.py in a checkout of the repository
 COLLECTIVE_TIMEOUT_S = 10
 # Rank 1 never enters the all-reduce. gloo's all_reduce itself raises after the timeout; on NCCL the watchdog
 # aborts the communicator (workarounds.nccl_errors_raise) and the next collective raises.

@@ -33,7 +33,7 @@ from traitlets.config import Config
 
 from ..ranks import procs
 
-CHECKOUT = Path(__file__).resolve().parents[2]  # helpers/shardlab/morning.py in a checkout of the repository
+CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/morning.py in a checkout of the repository
 KERNEL = "shardlab"
 IMPORTS = ("torch", "physicsnemo", "ipyparallel", "shardlab")
 NOTEBOOKS = ("00_setup", "02_device_mesh")
