@@ -50,7 +50,7 @@ SHARDLAB_KEEP_WARM ?= 900
 
 # ipykernel's installer leaves an empty tmp*_kernels folder in the temp folder at every install (ipykernel 7.4:
 # install() removes the spec it wrote, not the folder it made for it), so it gets a temp folder of its own.
-# tests/test_workarounds.py says when that is no longer needed.
+# tests/unit/test_workarounds.py says when that is no longer needed.
 # $(2): what to change in its environment (`make kernel-user`: the user's own JUPYTER_DATA_DIR, not .state's).
 define install_kernel
 	scratch=$$(mktemp -d) && env $(2) TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel install $(1) --name $(KERNEL) \
@@ -111,7 +111,7 @@ lab: $(STAMP)
 		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
 		--KernelManager.transport_encryption=auto $(LAB_ARGS)
 
-# The folders of .state/ that make exports, one `NAME=value` a line (tests/test_home.py runs with them).
+# The folders of .state/ that make exports, one `NAME=value` a line (tests/system/test_home.py runs with them).
 print-env:
 	@$(foreach v,JUPYTER_CONFIG_DIR JUPYTER_DATA_DIR JUPYTER_RUNTIME_DIR JUPYTERLAB_SETTINGS_DIR \
 		JUPYTERLAB_WORKSPACES_DIR IPYTHONDIR MPLCONFIGDIR WARP_CACHE_PATH TRITON_HOME CUDA_CACHE_PATH PIP_CACHE_DIR \

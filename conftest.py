@@ -10,10 +10,11 @@ Only with SHARDLAB_SYSTEM_SETUP=1 (``make test-system``, what CI runs) does the 
 the first such test starts a single-node Slurm with scripts/local-slurm.sh (which installs Debian's
 packages where missing), once per run (a file lock keeps two xdist workers from doing it twice), and
 the run stops it at the end. Without it, a run that changed the machine outside the checkout and the
-temp folder fails (tests/machine_changes.py).
+temp folder fails (tests/support/machine_changes.py).
 
 Notebooks attach to warm ranks: each process that runs tests (each xdist worker) has a pool of warm clusters
-(shardlab.warm) that tests/notebook_runner.py gives the notebooks it runs, so a notebook's ``sl.start_cluster()``
+(shardlab.ranks.warm) that tests/support/notebook_runner.py gives the notebooks it runs, so a notebook's
+``sl.start_cluster()``
 reuses, after a reset, the ranks the previous notebook of the same size stopped; the pool is stopped at the end.
 ``SHARDLAB_TEST_WARM=off`` makes every notebook start its own ranks. Every other test (faults, Slurm, MPICH,
 restarts, the cluster's start and stop, kernels started by tests) sees no pool: it starts fresh ranks."""
@@ -32,10 +33,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab import procs, warm
+from shardlab.ranks import procs, warm
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
-# share their controller's. shardlab.procs reads it whenever it is asked.
+# share their controller's. shardlab.ranks.procs reads it whenever it is asked.
 # What kernels, Jupyter, matplotlib and Warp would otherwise write into the user's home (IPython history, connection
 # files, font and kernel caches) goes to a folder of the session in the temp folder, removed at its end.
 USER_STATE = {"IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "MPLCONFIGDIR": "matplotlib",
@@ -47,10 +48,10 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(variable, os.path.join(os.environ["SHARDLAB_TEST_USER_STATE"], folder))
 SESSION_ORIGIN = os.environ[procs.ORIGIN]
 
-sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the support modules next to the tests
+sys.path.insert(0, str(Path(__file__).parent / "tests" / "support"))  # what the tests share
 import machine_changes  # noqa: E402
 
-collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/test_negative_notebooks.py runs them
+collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/notebooks/test_negative_notebooks.py runs them
 CATEGORIES = ("unit", "multirank", "notebook", "browser", "bench", "gpu")
 LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
 SLURM_STATE = Path("/run/shardlab-slurm")
@@ -111,7 +112,8 @@ def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None)
 @pytest.fixture(scope="session", autouse=True)
 def warm_pool():
     """This process's pool of warm clusters, for the notebooks its tests run (``WARM_POOL_FOR_NOTEBOOKS`` names it
-    to tests/notebook_runner.py), stopped at the end; its processes are marked as the session's, not any test's."""
+    to tests/support/notebook_runner.py), stopped at the end; its processes are marked as the session's, not any
+    test's."""
     if os.environ.get("SHARDLAB_TEST_WARM") == "off":
         yield None
         return

@@ -86,9 +86,9 @@ ENGINE_START = (
     ("s3fs, aiohttp, botocore (physicsnemo.core.filesystem)", "PhysicsNeMo", "import s3fs"),
     ("tensordict, torch._dynamo (physicsnemo.distributed.fused_all_reduce)", "PhysicsNeMo", "import tensordict"),
     ("the rest of physicsnemo.distributed", "PhysicsNeMo", "import physicsnemo.distributed"),
-    ("shardlab.launch (what ENGINE_CONFIG and init_rank import)", "ours", "import shardlab.launch"),
+    ("shardlab.ranks.launch (what ENGINE_CONFIG and init_rank import)", "ours", "import shardlab.ranks.launch"),
     ("init_distributed: DistributedManager (1 rank), the series' ShardTensor operators", "ours + PhysicsNeMo",
-     "shardlab.launch.init_distributed(60)"),
+     "shardlab.ranks.launch.init_distributed(60)"),
 )
 _PRIVATE = """
 def private_mib():
@@ -115,7 +115,7 @@ def engine_start_steps() -> list[dict]:
         lines += [statement,
                   f"now = private_mib(); rows.append({{'step': {what!r}, 'whose': {whose!r}, 'mib': now - last}})",
                   "last = now"]
-    lines.append("shardlab.launch.shutdown_distributed(); print(json.dumps(rows))")
+    lines.append("shardlab.ranks.launch.shutdown_distributed(); print(json.dumps(rows))")
     out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=600,
                          env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
     if out.returncode != 0:

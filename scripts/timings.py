@@ -6,7 +6,7 @@
 `make test` and `make test-fast` leave their JUnit XML in test-artifacts/junit/; the size of `.venv` is read with
 the file system, and the Makefile records how long a fresh `make env` took. Each run is kept in the page's record
 (the JSON comment at its end) until a newer XML of the same command replaces it, and the page is rendered from that
-record alone, so `--check` (tests/test_repo.py) fails on any hand edit.
+record alone, so `--check` (tests/unit/test_repo.py) fails on any hand edit.
 """
 
 from __future__ import annotations

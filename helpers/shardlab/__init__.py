@@ -1,53 +1,59 @@
 """shardlab: the helpers of the PhysicsNeMo distributed notebook series, imported as ``sl``.
 
-Layers, lowest first. A module imports only from layers below its own; ``tests/test_layers.py``
-checks every import, including those inside functions, against this list.
+Three groups, by who uses them:
 
-0. ``devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have
-1. ``workarounds`` (upstream bugs), ``report`` (tables), ``procs`` (which processes shardlab started),
-   ``launcher_programs`` (where mpiexec and srun are, their flags, job command lines), ``px`` (``%%px`` cells:
-   deadline, per-rank error summary)
-2. ``launch``: launcher variables, ``run_job`` (a job of ranks), ``init_distributed`` on every rank;
-   ``engines``: one engine launcher per way of starting the engines behind ``%%px``
-3. ``mesh`` (the (ddp, domain) mesh, shard bounds, halo plans), ``data``, ``models``, ``levers`` (a training
-   step's memory levers); ``warm`` (ranks kept for the next notebook, and the reset that makes them fresh)
-4. ``train``: wrappers, the Trainer, checkpoints; ``bringup``: a cluster's ranks brought up, fresh or taken over
-5. ``measure`` (bytes and collectives, measured live; also a command-line tool), ``plot`` (figures)
-6. ``cluster`` (the ipyparallel cluster behind ``%%px``), ``check`` (exercise checks), ``plan`` (the memory
-   planner; also a command-line tool)
-7. ``exercises``: the answer key, one module of judges per notebook
-8. command-line tools: ``smoke``, ``bench``, ``handout``, ``agenda`` (a workshop's agenda from INSTRUCTORS.md's times)
-9. ``gpucheck``: runs the tools above on a GPU node
-10. ``morning``: the machine check for the morning of a workshop (environment, two notebooks, GPU quick rows)
+- at the top, what the lessons call: ``mesh``, ``data``, ``models``, ``levers``, ``train``, ``measure``, ``plot``,
+  ``plan``, ``check`` and ``exercises`` (the answer key), with ``workarounds`` (upstream bugs), ``report`` (tables)
+  and ``gpu_record`` (what a committed ``make gpu-check`` run measured: ``sl.gpu_status()``);
+- ``ranks``: the machinery behind ``%%px`` and jobs of ranks (see ``shardlab/ranks/__init__.py``);
+- ``tools``: the command-line tools, ``python -m shardlab.tools.<name>`` (see ``shardlab/tools/__init__.py``).
 
-Submodules load on first use: a rank that only needs ``shardlab.launch`` does not import
-matplotlib, and a notebook kernel does not import PhysicsNeMo until it asks for something that
-needs it.
+Layers, lowest first. A module imports only from layers below its own; ``tests/unit/test_layers.py`` checks every
+import, including those inside functions, against this list.
+
+0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
+   ``gpu_record``: the committed GPU record, read
+1. ``workarounds``, ``report``, ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
+   mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
+2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
+   engine launcher per way of starting the engines behind ``%%px``)
+3. ``mesh``, ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
+   ``init_rank``, what every engine runs first)
+4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
+5. ``measure`` (also ``python -m shardlab.measure``), ``plot``
+6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``)
+7. ``exercises``: one module of judges per notebook
+8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.agenda``
+9. ``tools.gpucheck``: runs the tools above on a GPU node
+10. ``tools.morning``: the machine check for the morning of a workshop
+
+Submodules load on first use: a rank that only needs ``shardlab.ranks.launch`` does not import matplotlib, and a
+notebook kernel does not import PhysicsNeMo until it asks for something that needs it.
 """
 
 import importlib
 
 LAYERS = (
-    ("devices", "gpu_record"),
-    ("workarounds", "report", "procs", "launcher_programs", "px"),
-    ("launch", "engines"),
-    ("mesh", "data", "models", "levers", "warm"),
-    ("train", "bringup"),
+    ("ranks.devices", "gpu_record"),
+    ("workarounds", "report", "ranks.procs", "ranks.programs", "ranks.px"),
+    ("ranks.launch", "ranks.engines"),
+    ("mesh", "data", "models", "levers", "ranks.warm"),
+    ("train", "ranks.bringup"),
     ("measure", "plot"),
-    ("cluster", "check", "plan"),
+    ("ranks.cluster", "check", "plan"),
     ("exercises",),
-    ("smoke", "bench", "handout", "agenda"),
-    ("gpucheck",),
-    ("morning",),
+    ("tools.smoke", "tools.bench", "tools.handout", "tools.agenda"),
+    ("tools.gpucheck",),
+    ("tools.morning",),
 )
-_MODULES = {name for layer in LAYERS for name in layer}
+_MODULES = {name.split(".")[0] for layer in LAYERS for name in layer}
 _SHORTCUTS = {
-    "ClusterError": "px", "MPICluster": "cluster", "start_cluster": "cluster",
-    "DistributedState": "launch", "LaunchError": "launch", "LaunchInfo": "launch", "detect_launch": "launch",
-    "init_distributed": "launch",
+    "ClusterError": "ranks.px", "MPICluster": "ranks.cluster", "start_cluster": "ranks.cluster",
+    "DistributedState": "ranks.launch", "LaunchError": "ranks.launch", "LaunchInfo": "ranks.launch",
+    "detect_launch": "ranks.launch", "init_distributed": "ranks.launch",
     "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
-    "Table": "report", "summarize_rank_errors": "px",
-    "leftover_processes": "procs", "place_ranks": "devices", "gpu_status": "gpu_record",
+    "Table": "report", "summarize_rank_errors": "ranks.px",
+    "leftover_processes": "ranks.procs", "place_ranks": "ranks.devices", "gpu_status": "gpu_record",
 }
 
 

@@ -1,6 +1,6 @@
 """Every workaround for an upstream PhysicsNeMo behaviour lives here, and only here.
 
-Each one names what it works around; ``tests/test_workarounds.py`` fails as soon as
+Each one names what it works around; ``tests/unit/test_workarounds.py`` fails as soon as
 upstream no longer needs it, so it can be deleted. torch and PhysicsNeMo are imported inside
 the functions: ``launch`` imports this module in notebook kernels that never initialise a rank.
 """
@@ -88,7 +88,8 @@ def nccl_errors_raise():
       TORCH_NCCL_TRACE_BUFFER_SIZE), 2,000 entries: the watchdog prints the failed collective's stack from it (waiting
       at most 8 s for its symbols), and it can still be dumped on request. Checked in the installed 2.14.1
       libtorch_cuda.so: HeartbeatMonitor's constructor reads these variables with the defaults above, and
-      Watchdog::runLoop sleeps getDumpTimeout() * 4 before ``abortComms`` (tests/test_nccl_timeouts.py reads both back
+      Watchdog::runLoop sleeps getDumpTimeout() * 4 before ``abortComms`` (tests/gpu/test_nccl_timeouts.py reads both
+      back
       from the library).
       Yours win: set any of NCCL_DUMP_AND_MONITOR yourself (e.g. TORCH_NCCL_DUMP_ON_TIMEOUT=1 for the flight
       recorder's files of a hang) and none of NCCL_TIMEOUT_DUMP is set: torch's dump and monitor then work as you

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..check import case_generator
-from ..launch import LaunchError, detect_launch
+from ..ranks.launch import LaunchError, detect_launch
 
 
 def torchrun_jobs(draw: random.Random) -> list[tuple[int, int, int]]:

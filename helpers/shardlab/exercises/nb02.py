@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..check import Watch, case_generator
-from ..launch import default_device
+from ..ranks.launch import default_device
 
 MESH_GROUPS = "the mesh's own groups, which this exercise builds by hand"
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from ..check import Watch, case_generator, earlier_object
-from ..launch import default_device
+from ..ranks.launch import default_device
 
 
 def _shard_tensor():

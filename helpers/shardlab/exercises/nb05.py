@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..check import Watch, case_generator, earlier_object
-from ..launch import default_device
 from ..measure import strict_fp32
 from ..models import conv_stack
+from ..ranks.launch import default_device
 from ..train import normalized_darcy, wrap
 
 

@@ -13,8 +13,8 @@ import functools
 import torch
 
 from ..check import Watch, case_generator, earlier_object
-from ..launch import default_device
 from ..mesh import shard_bounds
+from ..ranks.launch import default_device
 
 
 def with_a_graph_break(t):

@@ -22,9 +22,9 @@ from torch.distributed.tensor import Shard
 
 from .. import train
 from ..check import Watch, case_generator
-from ..launch import default_device
 from ..mesh import MESH_AXES
 from ..models import conv_stack
+from ..ranks.launch import default_device
 
 STEPS_JUDGED = 3  # enough for gradients left over from one step to show in the next
 JUDGED_SAMPLES = 5  # fewer than the steps judged take at any ddp size: the step must go round the samples again

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..check import Watch
-from ..launch import default_device
 from ..measure import max_diff_to_source
 from ..models import conv_stack
+from ..ranks.launch import default_device
 
 SHAPE = {"width": 4, "layers": 2}  # another model than the notebook's
 

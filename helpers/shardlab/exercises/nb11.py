@@ -121,10 +121,10 @@ def _layout_problem(case: dict, got, planned: list[tuple]) -> str | None:
 def measure_layout(ddp: int, domain: int, wrapper: str, levers: Levers):
     """On every rank together: one measured training step of the judge's model with this layout, on random samples
     of ``MEASURED_FIELD`` (the same on every rank); this rank's ``RankBytes``."""
-    from ..launch import default_device
     from ..mesh import build_mesh
     from ..models import conv_stack
     from ..plan import measure_rank
+    from ..ranks.launch import default_device
 
     generator = torch.Generator().manual_seed(11)
     shape = (2 * ddp, *MEASURED_FIELD[1:])

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..data import load_darcy
-from ..launch import (
+from ..mesh import build_mesh
+from ..models import conv_stack
+from ..ranks.launch import (
     JobFailed,
     default_device,
     detect_launch,
@@ -21,8 +23,6 @@ from ..launch import (
     shutdown_distributed,
     write_job_result,
 )
-from ..mesh import build_mesh
-from ..models import conv_stack
 from ..report import Table
 from ..train import train
 from . import (

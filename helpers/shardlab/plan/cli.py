@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..launch import detect_launch, shutdown_distributed, write_job_result
 from ..levers import Levers
+from ..ranks.launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
 from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size

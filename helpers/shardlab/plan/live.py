@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..launch import init_distributed, run_job
 from ..levers import NO_LEVERS, Levers
 from ..mesh import build_mesh, shard_bounds
 from ..models import conv_stack
+from ..ranks.launch import init_distributed, run_job
 from .inputs import DTYPES, fmt_bytes
 from .planner import plan
 from .records import ACCOUNTED, CUDNN_PINNED, Plan, RankBytes

@@ -12,7 +12,7 @@ A kernel larger than ``RUN_POSITIONS`` output positions is not run at its size. 
 spatial dim it has more of (every combination: 4 runs in 2-D, 8 in 3-D), all of which select the same backend, and
 its workspace is extrapolated multilinearly. That is exact for every buffer whose size is a product of some of the
 extents: whole copies (all of them), per-row or per-plane buffers (some), per-thread scratch (none);
-``tests/test_workspace.py`` checks it against kernels run at full size.
+``tests/unit/test_workspace.py`` checks it against kernels run at full size.
 """
 
 from __future__ import annotations

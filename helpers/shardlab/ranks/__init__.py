@@ -1,0 +1,27 @@
+"""The machinery behind ``%%px`` and jobs of ranks; lessons reach it through ``sl.start_cluster`` and
+``sl.detect_launch``, and read it from notebook 01 on.
+
+- ``devices``: which device a job of ranks runs on (``place_ranks``), and the cores and GPUs its ranks have;
+- ``procs``: which processes shardlab started, so that only they are stopped;
+- ``programs``: the launcher programs on this machine (mpiexec, srun), their flags, a job's command line;
+- ``launch``: what each launcher tells a rank, ``init_distributed``, ``run_job`` (a job of ranks);
+- ``px``: ``%%px`` cells with a deadline, a failed cell's errors per rank, the start's status line;
+- ``engines``: one object per way of starting the ipyparallel engines (mpiexec, a Slurm step, an sbatch job);
+- ``warm``: ranks kept for the next notebook and the reset that makes them fresh; ``init_rank``;
+- ``bringup``: a cluster's ranks brought up, fresh or taken over;
+- ``cluster``: ``MPICluster`` and ``start_cluster``, the cluster a notebook owns.
+"""
+
+import importlib
+
+MODULES = ("devices", "procs", "programs", "launch", "px", "engines", "warm", "bringup", "cluster")
+
+
+def __getattr__(name):  # load on first use, as the top-level package does
+    if name in MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *MODULES])

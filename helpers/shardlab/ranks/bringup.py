@@ -1,0 +1,174 @@
+"""Bringing a cluster's ranks up: fresh engines started and initialised, or a parked cluster taken over and reset.
+
+``cluster.MPICluster`` decides which (settings, a pool, ``attach``) and owns what it gets; how each way starts its
+engines is ``engines``' business; what a rank runs to initialise or reset itself, ``warm``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ipyparallel as ipp
+import psutil
+
+from . import launch, procs, warm
+from .devices import threads_per_rank, usable_cores
+from .engines import ENGINE_CONFIG, EngineLauncher
+from .programs import free_port
+from .px import ClusterError, wait_for
+
+# The controller finishes an engine's registration at its first heartbeat: ipyparallel's default 3 s
+# period made every start wait up to 3 s for nothing (measured: a 4-rank start 17.8 s -> 13.8 s). The
+# controller drops an engine after 30 missed beats, the same 30 s of slack the default gave.
+HEARTBEAT_MS, HEARTBEAT_MISSES = 1000, 30
+CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
+                   f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+# Message signing on top of CurveZMQ. With CurveZMQ on, ipyparallel's controller sets an empty Session key unless one
+# is given, and then every kernel and engine that connects warns "Message signing is disabled. This is insecure and
+# not recommended!". A key of each cluster's own keeps both: CurveZMQ encrypts and authenticates every connection,
+# HMAC-SHA256 signs every message. The controller takes it from its environment (IPP_SESSION_KEY: never a command
+# line, which every user of the node can read) and writes it into the connection files in the owner-only profile
+# folder, where the engines, this kernel's client and a kernel that takes a parked cluster over read it.
+SESSION_KEY = "IPP_SESSION_KEY"
+
+
+def check_engine_ids(ids: list[int], ranks: list[int]) -> None:
+    """Refuse engines whose ids are not their launcher ranks: ``%%px`` labels would be misleading."""
+    if ranks != list(ids):
+        raise ClusterError(f"engine ids {list(ids)} do not match launcher ranks {ranks}: %%px labels would be "
+                           "misleading. Every engine should have asked for its rank as its id.")
+
+
+def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: float,
+                     reset: dict[str, str] | None = None) -> list[dict]:
+    """On every engine of ``view``: check that its id is its launcher rank, then initialise DistributedManager
+    with rank 0 on loopback at a free port; every rank's state, in rank order. ``reset``: the engines are a parked
+    cluster's, reset first (``warm.reset_rank``) with this environment of the claiming kernel."""
+    infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
+    check_engine_ids(ids, [info.rank for info in infos])
+    cores = usable_cores()
+    threads = threads_per_rank(len(ids))  # intra-op threads and compile workers of ranks sharing a machine's cores
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
+              else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
+    # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow: a start that
+    # runs out of time there is a slow start, not a collective some rank never joined.
+    slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
+            "this oversubscribed can outlast the wait. Start fewer ranks, or pass a longer start_timeout_s."
+            if len(ids) > cores else None)
+    states = wait_for(result, ids, max(start_timeout_s, timeout_s + 60), "initialise DistributedManager", slow)
+    return sorted(states, key=lambda state: state["rank"])
+
+
+def record_started(record: procs.Record, launcher: EngineLauncher, cluster, states: list[dict]) -> None:
+    """Add to ``record`` what a cluster started on this node (the launcher's processes and their children, the
+    controller's, engines that Slurm started here) and its Slurm jobs, and save it: a later start cleans up after
+    a crashed kernel from it."""
+    here = os.uname().nodename
+    controller = getattr(getattr(cluster, "controller", None), "process", None)
+    pids = [*launcher.processes(), *(procs.process_tree(controller.pid) if controller else [])]
+    pids += [p for state in states if state.get("hostname") == here for p in procs.process_tree(state["pid"])]
+    record.processes = sorted(set(map(tuple, record.processes)) | set(pids))
+    record.jobs = sorted(set(record.jobs) | set(launcher.jobs()))
+    record.save()
+
+
+def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, controller_ip: str,
+            shared_dir: str | None, pool: warm.Pool | None):
+    """What a fresh start needs before any process runs: (ipyparallel Cluster, the process record, the engine set's
+    options). The record is saved first: a crash from here on is cleaned up by the next start. The profile folder
+    goes to ``shared_dir``, else the pool's folder, else the temp folder; in a pool, every process is marked as the
+    pool's, since it outlives the kernel that starts it."""
+    pooled = {} if pool is None else pool.marked_environment()
+    profile_dir = procs.make_profile_dir(cluster_id, shared_dir or (pool and pool.folder))
+    Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
+    record = procs.Record.for_this_kernel(cluster_id, profile_dir, job_name, str(pool.folder) if pool else "")
+    record.save()
+    options = launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
+    options["environment"] |= pooled
+    cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
+                          controller_ip=controller_ip, controller_args=CONTROLLER_ARGS, log_level=40)
+    cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
+                                                          | procs.marked_environment() | pooled)
+    return cluster, record, options
+
+
+def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Record, n: int, options: dict,
+             timeout_s: float, start_timeout_s: float, say: Callable[[str], None] = lambda text: None):
+    """Start ``cluster``'s controller and ``n`` engines, wait for them to register and initialise every rank, adding
+    each process to ``record`` as soon as it exists (a crash from here on is cleaned up by the next start):
+    (Client, blocking view, every rank's state, timings). ``say`` is told how far the start is, in a few words."""
+    t0 = time.perf_counter()
+    say(f"starting {n} ranks: the controller")
+    cluster.start_controller_sync()
+    cluster.start_engines_sync(n=n, **options)
+    launcher.started(cluster.engines.values())
+    record_started(record, launcher, cluster, [])
+    client = cluster.connect_client_sync()
+    try:
+        launcher.wait_for_engines(client, start_timeout_s, lambda count: say(f"starting {n} ranks: {count} of {n} "
+                                                                             "registered"))
+        say(f"starting {n} ranks: {n} of {n} registered; each imports PyTorch and PhysicsNeMo and joins the "
+            "process group")
+        record_started(record, launcher, cluster, [])
+        registered = time.perf_counter() - t0
+        view = client[:]
+        view.block = True
+        states = initialise_ranks(view, list(client.ids), timeout_s, start_timeout_s)
+        record_started(record, launcher, cluster, states)
+    except BaseException:
+        client.close()
+        raise
+    return client, view, states, {"engines registered": registered,
+                                  "DistributedManager ready": time.perf_counter() - t0 - registered}
+
+
+def take_over(record: procs.Record, n: int, timeout_s: float):
+    """Connect to the parked cluster ``record`` names and reset its ``n`` ranks to a fresh start's state (an empty
+    namespace, then ``warm.reset_rank`` with this kernel's environment): (ipyparallel Cluster, Client, blocking
+    view, every rank's state, timings). Raises if a rank does not come back within ``warm.RESET_TIMEOUT_S``."""
+    t0 = time.perf_counter()
+    # Only to connect and to be stopped: ipyparallel 9.2's Cluster.from_file cannot load back the engine launcher
+    # class it saved ("module:Class"), and the record lists every process to stop anyway.
+    cluster = ipp.Cluster(profile_dir=record.profile_dir, cluster_id=record.cluster_id, shutdown_atexit=False)
+    client = ipp.Client(profile_dir=record.profile_dir, cluster_id=record.cluster_id, timeout=warm.RESET_TIMEOUT_S)
+    try:
+        client.wait_for_engines(n, timeout=warm.RESET_TIMEOUT_S, interactive=False)
+        registered = time.perf_counter() - t0
+        view = client[:]
+        view.block = True
+        ids = list(client.ids)
+        wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
+        states = initialise_ranks(view, ids, timeout_s, warm.RESET_TIMEOUT_S, reset=warm.kernel_environment())
+    except BaseException:
+        client.close()
+        raise
+    return cluster, client, view, states, {"engines registered": registered,
+                                           "DistributedManager ready": time.perf_counter() - t0 - registered}
+
+
+def release_for_parking(client) -> bool:
+    """Before a cluster is parked: on every rank, empty the namespace and give back what a waiting rank need not hold
+    (``warm.park_rank``: process groups, cached GPU blocks, freed heap). False if a rank did not finish within
+    ``warm.RESET_TIMEOUT_S`` or failed: such a cluster is stopped, not parked."""
+    view, ids = client[:], list(client.ids)
+    try:
+        wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
+        wait_for(view.apply_async(warm.park_rank), ids, warm.RESET_TIMEOUT_S, "give its memory back")
+    except Exception:  # whatever went wrong, a rank that cannot tidy up is not worth keeping
+        return False
+    return True
+
+
+def idle_and_alive(client, n: int, states: list[dict]) -> bool:
+    """Whether a cluster may be parked: all ``n`` ranks registered, none busy, every engine process alive."""
+    try:
+        # Cells block until every rank answered: only one given up on (cell_timeout_s) is still outstanding.
+        idle = sorted(client.ids) == list(range(n)) and not client.outstanding
+    except Exception:  # a cluster that cannot say is not worth keeping
+        return False
+    return idle and all(psutil.pid_exists(state["pid"]) for state in states)

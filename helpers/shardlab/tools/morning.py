@@ -1,0 +1,348 @@
+"""The machine check for the morning of a workshop: ``python -m shardlab.tools.morning`` (``make morning``).
+
+A few minutes instead of ``make test``'s twenty and more. Its steps, each printed as it starts and ends:
+
+1. environment: this Python is a venv's, the 3.11 the lock is for, installed by ``make env`` from the current lock
+   (the venv's stamp is newer than requirements.txt); torch, physicsnemo, ipyparallel and shardlab import; the
+   ``shardlab`` kernel spec that Jupyter finds starts this venv's Python;
+2. the notebooks ``00_setup`` and ``02_device_mesh`` (the shortest one on ranks), top to bottom, as
+   tests/notebooks/test_notebooks.py runs them (nbclient, the ``shardlab`` kernel, a temp folder of their own), at this
+   machine's default size (``SHARDLAB_RANKS`` when set), on ranks of their own (no warm pool);
+3. GPUs: ``make gpu-check``'s quick rows (the NCCL smoke test on 2+ GPUs, the TF32 error on 1+) where there are
+   GPUs; skipped, saying so, where there are none.
+
+It ends with ``ready`` (exit 0) or with what to fix, each with what to do (exit 1). Every step runs in a process
+group of its own under a time limit; one that runs past it is stopped and named. Whatever the steps started (kernels,
+engines, launchers: shardlab marks them) is stopped at the end, also after Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from traitlets.config import Config
+
+from ..ranks import procs
+
+CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/morning.py in a checkout of the repository
+KERNEL = "shardlab"
+IMPORTS = ("torch", "physicsnemo", "ipyparallel", "shardlab")
+NOTEBOOKS = ("00_setup", "02_device_mesh")
+# Seconds each step may take, and the whole check (``--deadline-s``): on the 2-core CPU machine the check took 104 s
+# with other work on its cores, 189 s beside a full test run. A notebook's limit includes its kernel's start (at
+# most KERNEL_START_S) and stop.
+LIMITS_S = {"imports": 120, "00_setup": 150, "02_device_mesh": 210, "gpu": 240}
+DEADLINE_S = 300
+KERNEL_START_S = 60
+# CurveZMQ between a notebook client and its kernel, as `make lab` has it (the kernel spec declares curve): the kernel
+# prints no warning about TCP. Configuration, not a kernel manager of ours: nbclient shuts down only a kernel whose
+# manager it made itself.
+CURVE_KERNELS = Config({"KernelManager": {"transport_encryption": "auto"}})
+MIN_STEP_S = 20  # a step given less than this is not started
+GPU_ROWS = {"smoke": 120, "tf32-error": 120}  # gpu-check's quick rows, and the budget each gets here
+OK, SKIPPED, FAILED = "ok", "skipped", "FAILED"
+THOROUGH = "`make test` (20+ minutes) runs every test; `make gpu-check` every GPU row on a GPU node."
+
+
+@dataclass
+class Result:
+    """What one step found: its status, one line of detail, and for a failed step what to do about each problem."""
+
+    step: str
+    status: str
+    detail: str
+    fixes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def verdict(results: list[Result]) -> tuple[str, int]:
+    """The check's last words and exit code: "ready" (0) when no step failed (skipped ones say why), else one line
+    per thing to fix, with what to do (1)."""
+    failed = [r for r in results if r.status == FAILED]
+    notes = [f"note: {r.step} skipped: {r.detail}" for r in results if r.status == SKIPPED]
+    if not failed:
+        return "\n".join([*notes, "ready"]), 0
+    fixes = [f"- {r.step}: {fix}" for r in failed for fix in (r.fixes or [f"{r.detail}. {THOROUGH}"])]
+    return "\n".join([*notes, f"NOT READY: {len(fixes)} thing(s) to fix:", *fixes]), 1
+
+
+# --- step 1: the environment -------------------------------------------------------------------------------------
+
+
+def _lock_files() -> list[Path]:
+    lock = "container/requirements.txt" if os.environ.get("SHARDLAB_CONTAINER") == "1" else "requirements.txt"
+    made_from = (CHECKOUT / lock, CHECKOUT / "helpers" / "pyproject.toml", CHECKOUT / "lab-config" / "overrides.json")
+    return [p for p in made_from if p.is_file()]  # what the Makefile's stamp depends on
+
+
+def environment_problems(prefix: Path, base_prefix: Path, version: tuple[int, int], kernel_argv0: str | None,
+                         lock_files: list[Path]) -> list[str]:
+    """Problems of the environment as "what: what to do" lines (none: fine). ``kernel_argv0``: the program the
+    ``shardlab`` kernel spec starts, None when Jupyter finds no such spec."""
+    container = os.environ.get("SHARDLAB_CONTAINER") == "1"
+    if prefix == base_prefix:
+        return [f"this Python ({sys.executable}) is not a venv's: run the check as `make morning`, which uses .venv "
+                "(`make env` creates it; learners' `make lab` does too)"]
+    problems = []
+    if version != (3, 11) and not (container and version >= (3, 11)):
+        problems.append(f"{prefix.name} runs Python {version[0]}.{version[1]}, and the lock is for 3.11: "
+                        "`make clean-env` then `make env PYTHON=python3.11`")
+    stamp = prefix / ".installed"
+    if not stamp.exists():
+        problems.append(f"{prefix.name} was not installed to the end (no {stamp.name} stamp): `make env` makes it "
+                        "again")
+    elif stale := [p.name for p in lock_files if p.stat().st_mtime > stamp.stat().st_mtime]:
+        problems.append(f"{' and '.join(stale)} changed since {prefix.name} was installed: `make env` updates it")
+    if kernel_argv0 is None:
+        problems.append(f"Jupyter finds no '{KERNEL}' kernel spec: `{prefix.name}/bin/python -m ipykernel install "
+                        f"--sys-prefix --name {KERNEL}` puts it back into {prefix.name} (`make kernel-user`: for "
+                        "JupyterHub)")
+    elif Path(os.path.abspath(kernel_argv0)).parent.parent != prefix:
+        problems.append(f"the '{KERNEL}' kernel spec starts {kernel_argv0}, not this environment's Python: `make "
+                        "kernel-user` points it here (`jupyter kernelspec list` shows the other one)")
+    return problems
+
+
+def kernel_argv0() -> str | None:
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        return KernelSpecManager().get_kernel_spec(KERNEL).argv[0]
+    except NoSuchKernel:
+        return None
+
+
+def check_environment(limit_s: float = LIMITS_S["imports"]) -> Result:
+    prefix, base = Path(sys.prefix), Path(sys.base_prefix)
+    problems = environment_problems(prefix, base, sys.version_info[:2], kernel_argv0(), _lock_files())
+    if prefix != base:  # the imports, in a process of their own: an import that hangs is stopped and named
+        found = child(["imports"], limit_s, f"importing {', '.join(IMPORTS)}")
+        problems += found.fixes if found.status == FAILED else []
+        detail = found.detail
+    else:
+        detail = "not a venv"
+    if problems:
+        return Result("environment", FAILED, "; ".join(p.split(":")[0] for p in problems), problems)
+    return Result("environment", OK, f"{prefix.name}, Python {sys.version.split()[0]}, {detail}, kernel '{KERNEL}'")
+
+
+def step_imports() -> Result:
+    import importlib
+
+    versions = []
+    for name in IMPORTS:
+        try:
+            module = importlib.import_module(name)
+        except Exception as error:  # any import error is what this step reports
+            return Result("imports", FAILED, f"import {name} failed", [
+                f"import {name} fails ({type(error).__name__}: {str(error)[:200]}): `make clean-env` then `make env` "
+                "installs the lock again"])
+        versions.append(f"{name} {getattr(module, '__version__', '')}".strip())
+    return Result("imports", OK, ", ".join(versions))
+
+
+# --- step 2: the notebooks -----------------------------------------------------------------------------------------
+
+
+def step_notebook(path: Path, limit_s: float) -> Result:
+    """Run one notebook top to bottom as tests/notebooks/test_notebooks.py does, in a temp folder of its own, without
+    the
+    learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs) is
+    stopped and named."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    from ..ranks.warm import POOL
+
+    nb = nbformat.read(path, as_version=4)
+    ends = time.monotonic() + limit_s - 20  # the last 20 s: for the kernel's stop and the report
+    client = NotebookClient(nb, timeout=int(limit_s), startup_timeout=min(KERNEL_START_S, int(limit_s) // 2),
+                            kernel_name=KERNEL, config=CURVE_KERNELS,
+                            resources={"metadata": {"path": str(path.parent)}})
+    see = f"open {path.parent.name}/{path.name} in `make lab` and run it to see the whole error"
+    index = None
+    with tempfile.TemporaryDirectory(prefix=f"morning-{path.stem}-", ignore_cleanup_errors=True) as temp_folder:
+        env = {k: v for k, v in os.environ.items() if k != POOL} | {"TMPDIR": temp_folder}
+        try:
+            with client.setup_kernel(env=env):
+                for index, cell in enumerate(nb.cells):
+                    if cell.cell_type == "code":
+                        client.timeout = max(int(ends - time.monotonic()), 1)  # what is left of the notebook's time
+                        client.execute_cell(cell, index)
+        except CellTimeoutError:
+            return Result(path.stem, FAILED, f"cell {index} still running when {limit_s:.0f} s were spent", [
+                f"cell {index} of {path.name} did not finish within the notebook's {limit_s:.0f} s: a rank that never "
+                f"started or a collective that hangs; {see} (INSTRUCTORS.md, 'A hung cell mid-workshop')"])
+        except CellExecutionError as error:
+            return Result(path.stem, FAILED, f"cell {index} raised {error.ename}", [
+                f"cell {index} of {path.name} raised {error.ename}: {' '.join(str(error.evalue).split())[:300]}; "
+                f"{see}"])
+        except DeadKernelError:
+            return Result(path.stem, FAILED, f"the kernel died in cell {index}", [
+                f"the kernel running {path.name} died in cell {index} (out of memory?): {see}"])
+        except Exception as error:  # the kernel did not start, or anything else: reported
+            return Result(path.stem, FAILED, f"{type(error).__name__} before the cells ran", [
+                f"{path.name}: {type(error).__name__}: {str(error)[:300]} (the '{KERNEL}' kernel did not start "
+                f"within {KERNEL_START_S} s?); {see}"])
+    cells = sum(c.cell_type == "code" for c in nb.cells)
+    return Result(path.stem, OK, f"{cells} code cells ran")
+
+
+# --- step 3: GPUs --------------------------------------------------------------------------------------------------
+
+
+def step_gpu() -> Result:
+    from ..ranks.devices import unusable_gpus, visible_gpus
+    from . import gpucheck
+
+    gpus = visible_gpus()
+    if problem := unusable_gpus(gpus):
+        return Result("gpu", FAILED, "GPUs CUDA cannot use", [f"{problem}; `make gpu-check` says the same"])
+    if gpus == 0:
+        return Result("gpu", SKIPPED, "no GPU visible here (torch.cuda.device_count() == 0): the notebooks run on "
+                                      "CPU ranks; on a GPU node this step runs gpu-check's quick rows")
+    rows = [row | {"budget_s": GPU_ROWS[row["name"]]} for row in gpucheck.plan(gpus)
+            if row["name"] in GPU_ROWS and row["runs"]]
+    results, fixes = [], []
+    for row in rows:
+        try:
+            said, ok = gpucheck.run_row(row, gpus)
+        except Exception as error:  # a row that breaks is a failed row
+            said, ok = f"{type(error).__name__}: {str(error)[-300:]}", False
+        results.append(f"{row['name']} {'passed' if ok else 'FAILED'}")
+        if not ok:
+            fixes.append(f"gpu-check's {row['name']} row failed: {said[:300]}; `make gpu-check` runs every row")
+    detail = f"{gpus} GPU(s): " + ", ".join(results)
+    return Result("gpu", FAILED, detail, fixes) if fixes else Result("gpu", OK, detail)
+
+
+# --- running the steps ---------------------------------------------------------------------------------------------
+
+
+def child(args: list[str], limit_s: float, what: str) -> Result:
+    """Run ``python -m shardlab.tools.morning --step ARGS`` in a process group of its own, at most ``limit_s`` seconds
+    (then it and all it started are stopped, and the Result names ``what`` it waited for): the Result it wrote.
+
+    Its output goes to a file, never to a pipe: a kernel or a rank that outlived it would hold a pipe open. What it
+    started carries an origin of its own, stopped once it is done."""
+    step = args[1] if args[0] == "notebook" else args[0]
+    own = f"{procs.origin()}/{step}-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="shardlab-morning-", ignore_cleanup_errors=True) as folder:
+        cmd = [sys.executable, "-m", "shardlab.tools.morning", "--step", *args, "--out", folder]
+        try:
+            proc = procs.run_process_group(cmd, os.environ | {procs.ORIGIN: own}, limit_s, what, capture=False,
+                                           grace_s=10)
+        except TimeoutError:
+            return Result(step, FAILED, f"still {what} after {limit_s:.0f} s", [
+                f"{what} did not finish within {limit_s:.0f} s, so it was stopped: run it alone "
+                f"(`python -m shardlab.tools.morning --step {' '.join(args)}`) to see where it waits"])
+        finally:
+            procs.stop(procs.leftover_processes(own))
+        try:
+            return Result(**json.loads((Path(folder) / "result.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            log = Path(folder) / "log"
+            tail = ((log.read_text(errors="replace").strip().splitlines() if log.exists() else []) or ["(no output)"])
+            return Result(step, FAILED, f"{what} exited with {proc.returncode}", [
+                f"{what} exited with {proc.returncode} and no result: {tail[-1][:300]}"])
+
+
+def steps() -> list[tuple[str, float, object]]:
+    """(name, time limit, how to run it within a given limit) of every step, in order."""
+    folder = CHECKOUT / "notebooks"
+    runs = [("environment", LIMITS_S["imports"], check_environment)]
+    for name in NOTEBOOKS:
+        runs.append((f"notebook {name}", LIMITS_S[name],
+                     lambda limit_s, name=name: child(["notebook", str(folder / f"{name}.ipynb"), f"{limit_s:.0f}"],
+                                                      limit_s, f"running notebooks/{name}.ipynb")))
+    runs.append(("GPUs", LIMITS_S["gpu"], lambda limit_s: child(["gpu"], limit_s, "running gpu-check's quick rows")))
+    return runs
+
+
+def run_steps(runs, deadline_s: float = DEADLINE_S, out=print) -> list[Result]:
+    """Run every step within its own limit and all within ``deadline_s``, printing each as it starts and what it
+    found. A step that raises is a failed step; one that no longer fits before the deadline is not run, and fails."""
+    results, ends = [], time.monotonic() + deadline_s
+    for i, (name, limit_s, run) in enumerate(runs, 1):
+        t0 = time.monotonic()
+        granted = min(limit_s, ends - t0)
+        if granted < MIN_STEP_S:
+            result = Result(name, FAILED, f"not run: the check's {deadline_s:.0f} s were spent before it", [
+                f"not run: the {deadline_s:.0f} s of the whole check were spent before it. On a busy machine give it "
+                "more: `.venv/bin/python -m shardlab.tools.morning --deadline-s 600`"])
+            out(f"[{i}/{len(runs)}] {name}: {result.detail}", flush=True)
+            results.append(result)
+            continue
+        out(f"[{i}/{len(runs)}] {name} (at most {granted:.0f} s) ...", flush=True)
+        try:
+            result = run(granted)
+        except Exception as error:  # the check reports, it does not crash
+            result = Result(name, FAILED, f"{type(error).__name__}: {str(error)[:300]}")
+        result.seconds = round(time.monotonic() - t0, 1)
+        out(f"      {result.status} in {result.seconds:.0f} s: {result.detail}", flush=True)
+        results.append(result)
+    return results
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def run_one_step(step: list[str], out: Path | None) -> int:
+    """``--step``: run one step here and print its Result as JSON; with ``--out``, write it to OUT/result.json and
+    everything this process and its kernel print to OUT/log."""
+    if out is not None:
+        log = open(out / "log", "w")  # open until this process exits
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    signal.signal(signal.SIGTERM, _raise_exit)  # so that the clean-up below runs when the parent stops this step
+    try:
+        kind = step[0]
+        result = (step_notebook(Path(step[1]), float(step[2])) if kind == "notebook"
+                  else step_imports() if kind == "imports" else step_gpu())
+    finally:
+        procs.stop(procs.leftover_processes())  # a failed notebook's kernel and ranks
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(result.__dict__))
+    print(json.dumps(result.__dict__), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardlab.tools.morning", description=__doc__.splitlines()[0])
+    parser.add_argument("--step", nargs="+", help="run one step in this process and print its result as JSON "
+                                                  "(imports | notebook PATH LIMIT_S | gpu)")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="seconds for the whole check; a step "
+                        f"that no longer fits is not run, and fails (default {DEADLINE_S})")
+    parser.add_argument("--out", help="with --step: write the result and the output into this folder")
+    args = parser.parse_args(argv)
+    if args.step:
+        return run_one_step(args.step, Path(args.out) if args.out else None)
+    print(f"# shardlab morning check, {time.strftime('%Y-%m-%d %H:%M')}: {len(steps())} steps, at most "
+          f"{args.deadline_s:.0f} s")
+    handler = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        with procs.own_origin("morning"):  # what the steps start: stopped at the end, and nothing else
+            results = run_steps(steps(), args.deadline_s)
+    except KeyboardInterrupt:
+        print("morning check: interrupted; the processes it started are stopped too.", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    text, code = verdict(results)
+    print(text)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Cluster layer: bad arguments, start/stop on real MPI ranks, start-up errors that name what went wrong."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import shardlab as sl
+from shardlab.ranks import bringup, engines, launch, programs
+from shardlab.ranks import cluster as cl
+from shardlab.ranks.devices import usable_cores
+from world_sizes import DEFAULT_SIZE
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"n": 0}, ValueError, r"n=0: a cluster needs a whole number of engines, at least 1"),
+    ({"n": 2.5}, ValueError, r"n=2\.5: a cluster needs a whole number"),
+    ({"device": "tpu"}, ValueError, r"device='tpu': use 'auto', 'cpu' or 'cuda'"),
+    ({"engines": "pbs"}, ValueError, r"engines='pbs': use 'mpi' .* or 'slurm'"),
+    ({"engines": "slurm"}, ValueError, r"pass controller_ip='\*'"),
+])
+def test_bad_arguments_say_what_to_change(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cl.MPICluster(**kwargs)
+
+
+def test_more_cuda_engines_than_gpus_says_how_to_get_cpu_ranks():
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"{gpus + 1} ranks but {gpus} GPU\(s\) visible to them.*device='cpu' for "
+                                         rf"{gpus + 1} CPU ranks"):
+        cl.MPICluster(n=gpus + 1, device="cuda")
+
+
+@pytest.mark.parametrize("value, expected", [("2", 2), ("8", 8)])
+def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
+    monkeypatch.setenv("SHARDLAB_RANKS", value)
+    assert cl.default_engine_count(0) == expected
+    # CPU ranks, which every machine can place (8 ranks on 2-7 GPUs are refused): the size is under test, not the device
+    assert cl.MPICluster(device=DEFAULT_SIZE.ranks(expected).or_skip().device).n == expected
+
+
+@pytest.mark.parametrize("value", ["four", "0", "-2"])
+def test_bad_shardlab_ranks_names_the_variable_and_its_value(monkeypatch, value):
+    monkeypatch.setenv("SHARDLAB_RANKS", value)
+    with pytest.raises(cl.ClusterError, match=rf"SHARDLAB_RANKS='{value}' is not a whole number of ranks, at least 1"):
+        cl.MPICluster()
+
+
+def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and_the_override(monkeypatch):
+    monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
+    cores = usable_cores()
+    too_many = 4 * cores + 1
+    with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on {cores} CPU core\(s\) is .* more than the 4 this "
+                                         rf"series starts \({4 * cores} ranks here\).*SHARDLAB_MAX_RANKS_PER_CORE=5"):
+        cl.MPICluster(n=too_many, device="cpu")
+    cl.MPICluster(n=4 * cores, device="cpu")  # at the limit: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "5")
+    assert cl.MPICluster(n=too_many, device="cpu").n == too_many  # asked for: accepted
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "many")
+    with pytest.raises(ValueError, match=r"SHARDLAB_MAX_RANKS_PER_CORE='many' is not a number"):
+        cl.MPICluster(n=2, device="cpu")
+
+
+class _Answer:
+    """An ipyparallel result, answered by every rank or by none yet."""
+
+    def __init__(self, value, ranks: int):
+        self.value, self.ranks = value, ranks
+
+    def wait(self, timeout):
+        return self.value is not None
+
+    def split(self):
+        return [self] * self.ranks
+
+    def ready(self):
+        return self.value is not None
+
+    def get(self):
+        return self.value
+
+
+class _SlowRanks:
+    """A view whose ranks report their launcher rank, then never finish initialising."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def apply_async(self, function, *args):
+        if function is launch.detect_launch:
+            return _Answer([launch.LaunchInfo("openmpi", r, r, self.ranks, "", "", "OPENMPI")
+                            for r in range(self.ranks)], self.ranks)
+        return _Answer(None, self.ranks)
+
+
+def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
+    cores = usable_cores()
+    ranks = cores + 1
+    slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
+    with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
+        bringup.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
+    assert "collective" not in str(slow.value)
+    with pytest.raises(cl.ClusterError, match=r"within 60 s\. If they wait in a collective"):
+        bringup.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
+
+
+def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert "CUDA_VISIBLE_DEVICES" not in engines.engine_environment("cuda")  # inherited: engines use GPUs 4-7
+    assert engines.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert engines.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
+
+
+def test_engine_ids_that_are_not_ranks_are_refused():
+    bringup.check_engine_ids([0, 1], [0, 1])  # ids equal ranks: accepted
+    with pytest.raises(cl.ClusterError, match=r"engine ids \[0, 1\] do not match launcher ranks \[1, 0\]"):
+        bringup.check_engine_ids([0, 1], [1, 0])
+
+
+@pytest.mark.multirank
+def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsys):
+    with sl.MPICluster(n=2, device="cpu") as cluster:
+        # Outside a notebook and a terminal (a log, a pipe), only what the start did: no line per registered rank.
+        assert re.fullmatch(r"started 2 CPU ranks in \d+\.\d s\n", capsys.readouterr().out)
+        assert [s["rank"] for s in cluster.states] == [0, 1]
+        assert {s["backend"] for s in cluster.states} == {"gloo"}
+        assert cluster.view.block is True
+        cluster.view.execute("import sys, torch.distributed as dist; world = dist.get_world_size()")
+        assert cluster.view.pull("world") == [2, 2]
+        # Engines take their ids from the launcher's rank, without importing an MPI library of their own.
+        cluster.view.execute("no_mpi4py = 'mpi4py' not in sys.modules")
+        assert cluster.view.pull("no_mpi4py") == [True, True]
+        # OpenMPI's session folder is in the profile, removed at stop, not in the temp folder (where a killed
+        # mpiexec would leave it).
+        cluster.view.execute("import os; session = os.environ['PMIX_SERVER_TMPDIR']")
+        assert {Path(session).parent for session in cluster.view.pull("session")} == {Path(cluster.profile_dir)}
+        # Connection files hold the CurveZMQ keys: owner-only, inside an owner-only profile folder.
+        profile = Path(cluster.profile_dir)
+        assert profile.stat().st_mode & 0o077 == 0
+        connection_files = list((profile / "security").glob("ipcontroller-*.json"))
+        assert connection_files
+        for path in connection_files:
+            assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+            assert json.loads(path.read_text()).get("curve_serverkey"), "CurveZMQ is off"
+            assert len(json.loads(path.read_text())["key"]) == 64, "message signing is off"
+            assert json.loads(path.read_text())["interface"] == "tcp://127.0.0.1"
+        # And the controller really listens on loopback only, whatever its files say.
+        controller = psutil.Process(next(row["pid"] for row in cluster.memory() if row["process"] == "controller"))
+        listening = [c.laddr.ip for p in [controller, *controller.children(recursive=True)]
+                     for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        assert listening and set(listening) == {"127.0.0.1"}, listening
+        assert cluster.alive_processes()
+    assert not cluster.alive_processes()
+    assert not profile.exists() and not (sl.ranks.procs.registry() / f"{cluster.cluster_id}.json").exists()
+
+
+# -- who starts the engines: arguments, else the environment (so notebooks run unchanged) --------------------
+
+
+@pytest.fixture
+def no_cluster_variables(monkeypatch):
+    for name in ("SHARDLAB_ENGINES", "SHARDLAB_MPI", "SHARDLAB_CONTROLLER_IP", "SHARDLAB_SHARED_DIR", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_defaults_are_openmpi_on_loopback_in_the_temp_folder(no_cluster_variables):
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.engines, cluster.mpi, cluster.launcher, cluster.expected_method) == ("mpi", "openmpi", "openmpi",
+                                                                                         "openmpi")
+    assert cluster.controller_ip == "127.0.0.1" and cluster.shared_dir is None
+
+
+def test_the_environment_chooses_slurm_engines_for_unchanged_notebooks(no_cluster_variables, tmp_path):
+    no_cluster_variables.setenv("SHARDLAB_ENGINES", "slurm")
+    with pytest.raises(ValueError, match=r"SHARDLAB_CONTROLLER_IP='\*'"):
+        cl.MPICluster(n=2, device="cpu")  # engines on other nodes cannot reach loopback: say so
+    no_cluster_variables.setenv("SHARDLAB_CONTROLLER_IP", "*")
+    no_cluster_variables.setenv("SHARDLAB_SHARED_DIR", str(tmp_path))
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.launcher, cluster.expected_method, cluster.controller_ip) == ("slurm", "slurm", "*")
+    assert cluster.shared_dir == str(tmp_path)
+    # An argument wins over the environment.
+    assert cl.MPICluster(n=2, device="cpu", engines="mpi", controller_ip="127.0.0.1").launcher == "openmpi"
+
+
+def test_the_environment_chooses_mpich(no_cluster_variables):
+    no_cluster_variables.setenv("SHARDLAB_MPI", "mpich")
+    cluster = cl.MPICluster(n=2, device="cpu")
+    assert (cluster.launcher, cluster.expected_method) == ("mpich", "env")
+
+
+@pytest.mark.parametrize("variable, value, match", [
+    ("SHARDLAB_ENGINES", "pbs", r"SHARDLAB_ENGINES='pbs': use 'mpi' \(mpiexec on this machine\) or 'slurm'"),
+    ("SHARDLAB_MPI", "intel", r"SHARDLAB_MPI='intel': use 'openmpi' \(.*\) or 'mpich' \(MPICH's hydra"),
+])
+def test_bad_environment_values_name_the_variable(no_cluster_variables, variable, value, match):
+    no_cluster_variables.setenv(variable, value)
+    with pytest.raises(ValueError, match=match):
+        cl.MPICluster(n=2, device="cpu")
+
+
+def test_bad_mpi_argument_says_what_to_use():
+    with pytest.raises(ValueError, match=r"mpi='intel': use 'openmpi' \(.*\) or 'mpich'"):
+        cl.MPICluster(n=2, mpi="intel")
+
+
+def _engine_set(launcher, profile):
+    """The engine set ipyparallel builds from ``launcher`` when a cluster starts it, built here and not started."""
+    return launcher.engine_set_class(work_dir=".", profile_dir=str(profile), cluster_id="shardlab-test",
+                                     **launcher.engine_set_options(str(profile)))
+
+
+def test_mpiexec_engines_run_this_environments_mpiexec_with_its_helpers_on_path(tmp_path):
+    launcher = engines.MpiexecEngines(4, engines.engine_environment("cpu"))
+    assert (launcher.name, launcher.started_by, launcher.expected_method) == ("openmpi", "mpiexec", "openmpi")
+    command = launcher.command()
+    assert command[0] == programs.find_mpiexec() and command[1:3] == ["--bind-to", "none"]
+    assert ("--oversubscribe" in command) == (4 > usable_cores()) and launcher.jobs() == []
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.n = 4
+    args = engine_set.find_args()
+    assert args[:3] == [command[0], "-n", "4"] and "--mpi" not in args  # ids come from ENGINE_CONFIG, not mpi4py
+    assert engine_set.get_env()["PATH"].startswith(str(Path(command[0]).parent) + os.pathsep)
+    assert engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == "" and engine_set.get_env()["SHARDLAB_ORIGIN"]
+
+
+def test_mpich_engines_are_reported_as_the_env_method(monkeypatch, tmp_path):
+    hydra = tmp_path / "mpiexec.mpich"
+    hydra.write_text("#!/bin/sh\n")
+    hydra.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    launcher = engines.MpiexecEngines(2, {}, mpi="mpich")
+    assert (launcher.started_by, launcher.expected_method) == ("mpiexec (MPICH)", "env")
+    assert launcher.command() == [str(hydra)]  # hydra neither pins ranks nor needs --oversubscribe
+
+
+def test_sbatch_engines_are_one_job_whose_script_is_in_the_profile(tmp_path):
+    launcher = engines.SbatchEngines(4, engines.engine_environment("cpu"), "ipengine-test",
+                                     ["--partition=gpu", "--time=02:00:00"])
+    assert (launcher.name, launcher.expected_method, launcher.on_other_nodes) == ("slurm", "slurm", True)
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.write_batch_script(4)
+    script = Path(engine_set.batch_file).read_text()
+    assert Path(engine_set.batch_file).parent == tmp_path  # in the profile, not in the notebook's folder
+    assert "#SBATCH --job-name=ipengine-test\n#SBATCH --ntasks=4\n" in script
+    assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script
+    assert "\nsrun --kill-on-bad-exit=1 " in script and "ipengine" in script and "--mpi" not in script
+    assert engine_set.get_env()["SHARDLAB_ORIGIN"] and engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert not launcher.exited()  # sbatch returns once the job is queued: that says nothing about the engines
+
+
+def test_srun_step_engines_are_a_step_of_this_allocation(monkeypatch, tmp_path):
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    launcher = engines.SrunStepEngines(4, {}, ["--gpus-per-task=1"])
+    assert launcher.command() == [str(fake), "--kill-on-bad-exit=1", "--gpus-per-task=1"]
+    engine_set = _engine_set(launcher, tmp_path)
+    engine_set.n = 4
+    assert isinstance(engine_set, engines.RankEngineSetLauncher)
+    args = engine_set.find_args()
+    assert args[:4] == [str(fake), "-n", "4", "--kill-on-bad-exit=1"] and "--mpi" not in args
+
+
+def test_the_cluster_picks_the_launcher_for_where_it_runs(no_cluster_variables, tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    no_cluster_variables.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    slurm = {"engines": "slurm", "controller_ip": "*", "n": 2, "device": "cpu"}
+    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SbatchEngines  # outside an allocation
+    no_cluster_variables.setenv("SLURM_JOB_ID", "42")
+    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SrunStepEngines
+    assert type(cl.MPICluster(n=2, device="cpu").engine_launcher) is engines.MpiexecEngines

@@ -1,0 +1,95 @@
+"""%%px wiring: reading a failed cell's errors per rank and summarising them, on hand-made inputs. The live cell
+deadline and summary: tests/multirank/test_faults.py and notebook 08."""
+
+import io
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from shardlab.ranks.px import (
+    CELL_TIMEOUT,
+    DEFAULT_CELL_TIMEOUT_S,
+    ClusterError,
+    StatusLine,
+    rank_errors,
+    resolve_cell_timeout,
+    summarize_rank_errors,
+)
+
+GLOO_TIMEOUT = (
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+    "Timed out waiting 8000ms for recv operation to complete"
+)
+
+
+def test_one_line_per_failing_rank():
+    lines = summarize_rank_errors([(2, "ValueError", "bad shape\nmore detail"), (0, "KeyError", "'x'")], [0, 1, 2])
+    assert lines == ["rank 0: KeyError: 'x'", "rank 2: ValueError: bad shape"]
+
+
+def test_names_the_ranks_that_never_arrived():
+    # Rank 1 raised before the collective, so ranks 0 and 2 waited for it until the timeout.
+    errors = [(0, "DistBackendError", GLOO_TIMEOUT), (1, "ValueError", "bad shape"),
+              (2, "DistBackendError", GLOO_TIMEOUT)]
+    lines = summarize_rank_errors(errors, [0, 1, 2, 3])
+    assert [line.split(":")[0] for line in lines[:3]] == ["rank 0", "rank 1", "rank 2"]
+    assert lines[3].startswith("rank(s) [0, 2] timed out")
+    assert "waiting for rank(s) [1, 3]" in lines[3] and "never entered it" in lines[3]
+
+
+def test_every_rank_timed_out():
+    lines = summarize_rank_errors([(r, "DistBackendError", GLOO_TIMEOUT) for r in (0, 1)], [0, 1])
+    assert lines[-1].startswith("every rank [0, 1] timed out")
+    assert not any("never entered" in line for line in lines)
+
+
+def test_no_timeout_no_extra_line():
+    assert len(summarize_rank_errors([(0, "RuntimeError", "")], [0, 1])) == 1
+
+
+def test_whitespace_only_message():
+    assert summarize_rank_errors([(0, "RuntimeError", "\n")], [0]) == ["rank 0: RuntimeError: "]
+
+
+def test_dead_engine_error_is_attributed_to_its_rank():
+    dead = SimpleNamespace(elist=[("EngineError", "Engine 1 died while running task 'abc'", "", {})])
+    assert rank_errors(dead) == [(1, "EngineError", "Engine 1 died while running task 'abc'")]
+
+
+def test_gloo_source_prefix_is_dropped():
+    message = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
+    expected = "rank 0: RuntimeError: Timed out waiting 10000ms"
+    assert summarize_rank_errors([(0, "RuntimeError", message)], [0])[0] == expected
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_status_line_rewrites_itself_on_a_terminal_and_prints_only_the_last_text_elsewhere(monkeypatch, capsys):
+    status = StatusLine()  # captured output is no terminal: what a log file or a pipe gets
+    for text in ("starting 2 ranks: 0 of 2 registered", "starting 2 ranks: 2 of 2 registered"):
+        status.update(text)
+    status.done("started 2 CPU ranks in 1.0 s")
+    assert capsys.readouterr().out == "started 2 CPU ranks in 1.0 s\n"
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    status = StatusLine()
+    status.update("starting 2 ranks: 1 of 2 registered")
+    status.update("starting 2 ranks: 1 of 2 registered")  # unchanged: not written again
+    status.done("started 2 ranks")  # shorter: blanks what is left of the longer line
+    assert terminal.getvalue() == "\rstarting 2 ranks: 1 of 2 registered\r" + "started 2 ranks".ljust(35) + "\n"
+
+
+def test_every_px_cell_has_a_deadline(monkeypatch):
+    monkeypatch.delenv(CELL_TIMEOUT, raising=False)
+    assert resolve_cell_timeout() == DEFAULT_CELL_TIMEOUT_S
+    assert resolve_cell_timeout(30) == 30
+    monkeypatch.setenv(CELL_TIMEOUT, "240")
+    assert (resolve_cell_timeout(), resolve_cell_timeout(30)) == (240.0, 30)
+    monkeypatch.setenv(CELL_TIMEOUT, "4 min")
+    with pytest.raises(ClusterError, match="SHARDLAB_CELL_TIMEOUT_S='4 min' is not a number of seconds"):
+        resolve_cell_timeout()
