@@ -65,6 +65,20 @@ def __getattr__(name):
     raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
 
 
+def load_on_first_use(package: str, modules: tuple[str, ...]):
+    """``__getattr__`` and ``__dir__`` for a subpackage (``ranks``, ``tools``) whose modules load on first use."""
+
+    def __getattr__(name):
+        if name in modules:
+            return importlib.import_module(f".{name}", package)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted([*vars(importlib.import_module(package)), *modules])
+
+    return __getattr__, __dir__
+
+
 def __dir__():
     return sorted([*globals(), *_MODULES, *_SHORTCUTS])
 

@@ -2,6 +2,7 @@
 ``python -m shardlab.tools.agenda``, never edited by hand: one day and two days, sessions of whole notebooks with
 breaks, every notebook once."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,12 +11,12 @@ import pytest
 from shardlab.tools import agenda
 
 INSTRUCTORS = Path(__file__).resolve().parents[2] / "INSTRUCTORS.md"
-TABLE = """| notebook | run time | teaching time | hardware it needs |
-|---|---|---|---|
-| 00_setup | ~13 s | 10 min | any |
-| 01_launchers | ~50 s | 60 min | CPU ranks |
-| 02_device_mesh | ~18 s (26 s at 2 ranks) | 90 min | CPU ranks |
-| 03_scatter | ~19 s | 120 min | CPU ranks |
+TABLE = """| notebook | teaching time | hardware it needs |
+|---|---|---|
+| 00_setup | 10 min | any |
+| 01_launchers | 60 min | CPU ranks |
+| 02_device_mesh | 90 min | CPU ranks |
+| 03_scatter | 120 min | CPU ranks |
 """
 
 
@@ -37,7 +38,7 @@ def test_every_notebook_once_in_sessions_no_longer_than_the_limit_with_breaks_be
     one = agenda.day(rows)
     two = [agenda.day(part, open_lab=True) for part in agenda.split_in_two(rows)]
     for days in ([one], two):
-        taught = [s["what"] for slots in days for s in slots if s["run"]]
+        taught = [s["what"] for slots in days for s in slots if s["lesson"]]
         assert taught == [r["notebook"] for r in rows]
         for slots in days:
             assert all(a["end"] == b["start"] for a, b in zip(slots, slots[1:])), "gaps or overlaps"
@@ -47,7 +48,14 @@ def test_every_notebook_once_in_sessions_no_longer_than_the_limit_with_breaks_be
                 session = 0 if s["what"] in ("break", "lunch") else session + s["minutes"]
                 assert session <= agenda.SESSION_MAX_MIN or s["minutes"] > agenda.SESSION_MAX_MIN
             assert sum(s["what"] == "lunch" for s in slots) <= 1
-    assert [r["run"] for r in rows][:3] == ["~13 s", "~50 s", "~18 s"]
+    assert [r["minutes"] for r in agenda.timings(TABLE)] == [10, 60, 90, 120]
+
+
+def test_no_measured_time_is_typed_into_the_timings_table():
+    """Run times are measured, so they live in docs/timings.md, written by `make timings`."""
+    table = INSTRUCTORS.read_text().split("## Timings and hardware")[1].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| 0") or line.startswith("| 1")]
+    assert rows and not [row for row in rows if re.search(r"\d s\b", row)], rows
 
 
 def test_the_two_days_are_as_even_as_whole_notebooks_allow():

@@ -12,16 +12,7 @@
 - ``cluster``: ``MPICluster`` and ``start_cluster``, the cluster a notebook owns.
 """
 
-import importlib
+from .. import load_on_first_use
 
 MODULES = ("devices", "procs", "programs", "launch", "px", "engines", "warm", "bringup", "cluster")
-
-
-def __getattr__(name):  # load on first use, as the top-level package does
-    if name in MODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *MODULES])
+__getattr__, __dir__ = load_on_first_use(__name__, MODULES)

@@ -8,16 +8,7 @@
 - ``morning``: the machine check for the morning of a workshop (``make morning``).
 """
 
-import importlib
+from .. import load_on_first_use
 
 MODULES = ("smoke", "bench", "handout", "agenda", "gpucheck", "morning")
-
-
-def __getattr__(name):  # load on first use, as the top-level package does
-    if name in MODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *MODULES])
+__getattr__, __dir__ = load_on_first_use(__name__, MODULES)
