@@ -14,10 +14,9 @@ temp folder fails (tests/support/machine_changes.py).
 
 Notebooks attach to warm ranks: each process that runs tests (each xdist worker) has a pool of warm clusters
 (shardlab.ranks.warm) that tests/support/notebook_runner.py gives the notebooks it runs, so a notebook's
-``sl.start_cluster()``
-reuses, after a reset, the ranks the previous notebook of the same size stopped; the pool is stopped at the end.
-``SHARDLAB_TEST_WARM=off`` makes every notebook start its own ranks. Every other test (faults, Slurm, MPICH,
-restarts, the cluster's start and stop, kernels started by tests) sees no pool: it starts fresh ranks."""
+``sl.start_cluster()`` reuses, after a reset, the ranks the previous notebook of the same size stopped; the pool is
+stopped at the end. ``SHARDLAB_TEST_WARM=off`` makes every notebook start its own ranks. Every other test (faults,
+Slurm, MPICH, restarts, the cluster's start and stop, kernels started by tests) sees no pool: it starts fresh ranks."""
 
 import contextlib
 import fcntl
@@ -111,9 +110,8 @@ def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None)
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_pool():
-    """This process's pool of warm clusters, for the notebooks its tests run (``WARM_POOL_FOR_NOTEBOOKS`` names it
-    to tests/support/notebook_runner.py), stopped at the end; its processes are marked as the session's, not any
-    test's."""
+    """This process's pool of warm clusters, for the notebooks its tests run (``WARM_POOL_FOR_NOTEBOOKS`` names it to
+    tests/support/notebook_runner.py), stopped at the end; its processes are marked as the session's, not any test's."""
     if os.environ.get("SHARDLAB_TEST_WARM") == "off":
         yield None
         return

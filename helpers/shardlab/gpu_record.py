@@ -1,9 +1,8 @@
 """What has been measured on GPUs, in one line: ``sl.gpu_status()``, read from the `make gpu-check` run committed.
 
-`make gpu-check` writes its rows, the GPUs and the date to ``test-artifacts/gpu-check.json`` (ignored by git: every
-run writes it). A run worth keeping is committed as ``data/gpu-check.json`` (``RECORD``): copy that file there, or
-run ``python -m shardlab.tools.gpucheck --json data/gpu-check.json`` on the GPU node. Without a committed run on GPUs
-the
+`make gpu-check` writes its rows, the GPUs and the date to ``test-artifacts/gpu-check.json`` (ignored by git: every run
+writes it). A run worth keeping is committed as ``data/gpu-check.json`` (``RECORD``): copy that file there, or run
+``python -m shardlab.tools.gpucheck --json data/gpu-check.json`` on the GPU node. Without a committed run on GPUs the
 line says so; it never says more than the record holds.
 """
 

@@ -89,8 +89,7 @@ def nccl_errors_raise():
       at most 8 s for its symbols), and it can still be dumped on request. Checked in the installed 2.14.1
       libtorch_cuda.so: HeartbeatMonitor's constructor reads these variables with the defaults above, and
       Watchdog::runLoop sleeps getDumpTimeout() * 4 before ``abortComms`` (tests/gpu/test_nccl_timeouts.py reads both
-      back
-      from the library).
+      back from the library).
       Yours win: set any of NCCL_DUMP_AND_MONITOR yourself (e.g. TORCH_NCCL_DUMP_ON_TIMEOUT=1 for the flight
       recorder's files of a hang) and none of NCCL_TIMEOUT_DUMP is set: torch's dump and monitor then work as you
       configured them, a collective raises 4 dump waits after the timeout, and the monitor may end every rank.

@@ -1,9 +1,8 @@
 """`make test` on a GPU workstation: every test that starts a fixed number of ranks (tests/support/world_sizes.py's
-``NEEDS``) runs
-them on CPU ranks on purpose, or on GPUs that can hold them, or skips saying what it needs; never into the device
-rule's refusal (more ranks than GPUs on a node with two or more), never asserting gloo on NCCL ranks. The GPU count
-is simulated (0, 1, 2, 3, 4 and 8 GPUs, on a 16-core workstation), and each test's own way of starting its ranks is
-run up to the point where the launch path places them: ``run_job``, ``MPICluster``, or a command-line tool or
+``NEEDS``) runs them on CPU ranks on purpose, or on GPUs that can hold them, or skips saying what it needs; never into
+the device rule's refusal (more ranks than GPUs on a node with two or more), never asserting gloo on NCCL ranks. The GPU
+count is simulated (0, 1, 2, 3, 4 and 8 GPUs, on a 16-core workstation), and each test's own way of starting its ranks
+is run up to the point where the launch path places them: ``run_job``, ``MPICluster``, or a command-line tool or
 notebook kernel that places its ranks itself and sees no GPU when the test hides them."""
 
 import ast

@@ -1,8 +1,6 @@
 """The smoke CLI on real ranks, CPU: mpirun on 4 ranks (CPU ranks on purpose on any machine,
-tests/support/world_sizes.py; CUDA
-ranks: make gpu-check), and torchrun refusing a bad domain size. MPICH's mpiexec: tests/system/test_mpich.py; Slurm's
-srun:
-tests/system/test_slurm.py."""
+tests/support/world_sizes.py; CUDA ranks: make gpu-check), and torchrun refusing a bad domain size. MPICH's mpiexec:
+tests/system/test_mpich.py; Slurm's srun: tests/system/test_slurm.py."""
 
 import json
 import subprocess

@@ -1,11 +1,10 @@
 """The series in the UI learners use: JupyterLab from `make lab`, headless Chromium, Run -> Run All Cells.
 
 tests/notebooks/test_notebooks.py proves the notebooks' code; this proves that in the browser the `shardlab` kernel
-starts
-from the notebook's metadata, a cluster starts and its `%%px` cells finish, tables render as HTML and figures as
-images. Notebook 09 also has its planner's widgets worked: changing the domain size re-plans, and the verdict in
-the widget's output turns from "does not fit" to "fits". Notebooks 10 and 11 are run whole as well: their figures
-are drawn in the kernel from what the ranks measured, and their checks call back into the ranks.
+starts from the notebook's metadata, a cluster starts and its `%%px` cells finish, tables render as HTML and figures as
+images. Notebook 09 also has its planner's widgets worked: changing the domain size re-plans, and the verdict in the
+widget's output turns from "does not fit" to "fits". Notebooks 10 and 11 are run whole as well: their figures are drawn
+in the kernel from what the ranks measured, and their checks call back into the ranks.
 
 As a learner goes through the series: one JupyterLab (under `make lab`'s pool of warm ranks) and one browser, the
 notebooks one after the other, each in a tab and a kernel of its own. The JupyterLab and Chromium starts are paid

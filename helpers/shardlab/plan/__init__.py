@@ -36,9 +36,8 @@ forward with FSDP2's forward buffers, the replayed backward with FSDP2's backwar
 one it prefetches, or every unit still gathered without ``reshard_after_forward``, and the reduce-scatter input of
 the largest unit) and the optimizer step. Planned for CPU ranks, it adds what CPU convolutions hold inside the
 kernel (im2col columns on torch's slow path, oneDNN's blocked copies), which differs from CPU to CPU: ``workspace``
-runs each kernel on this CPU, at a smaller size when it is large, and extrapolates. ``python -m
-shardlab.plan --measure-peaks`` and ``tests/multirank/test_plan.py`` check it on 4 CPU ranks against the allocator's
-own peak
+runs each kernel on this CPU, at a smaller size when it is large, and extrapolates. ``python -m shardlab.plan
+--measure-peaks`` and ``tests/multirank/test_plan.py`` check it on 4 CPU ranks against the allocator's own peak
 (``sl.measure.AllocatorPeak``, torch.profiler's memory events), ``make gpu-check`` against ``max_memory_allocated``.
 
 **Levers** (``sl.train.Levers``, ``plan(..., levers=)`` / ``Planner.plan(..., levers=)``) are replayed, not
