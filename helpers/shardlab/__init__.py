@@ -65,8 +65,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
 
 
-def load_on_first_use(package: str, modules: tuple[str, ...]):
-    """``__getattr__`` and ``__dir__`` for a subpackage (``ranks``, ``tools``) whose modules load on first use."""
+def load_on_first_use(package: str):
+    """``__getattr__`` and ``__dir__`` for a subpackage (``ranks``, ``tools``): its modules, as ``LAYERS`` names them,
+    load on first use."""
+    prefix = package.rpartition(".")[2] + "."
+    modules = [name.removeprefix(prefix) for layer in LAYERS for name in layer if name.startswith(prefix)]
 
     def __getattr__(name):
         if name in modules:
@@ -77,10 +80,3 @@ def load_on_first_use(package: str, modules: tuple[str, ...]):
         return sorted([*vars(importlib.import_module(package)), *modules])
 
     return __getattr__, __dir__
-
-
-def __dir__():
-    return sorted([*globals(), *_MODULES, *_SHORTCUTS])
-
-
-__all__ = sorted([*_MODULES, *_SHORTCUTS])

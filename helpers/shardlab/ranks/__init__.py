@@ -14,5 +14,4 @@
 
 from .. import load_on_first_use
 
-MODULES = ("devices", "procs", "programs", "launch", "px", "engines", "warm", "bringup", "cluster")
-__getattr__, __dir__ = load_on_first_use(__name__, MODULES)
+__getattr__, __dir__ = load_on_first_use(__name__)

@@ -10,5 +10,4 @@
 
 from .. import load_on_first_use
 
-MODULES = ("smoke", "bench", "handout", "agenda", "gpucheck", "morning")
-__getattr__, __dir__ = load_on_first_use(__name__, MODULES)
+__getattr__, __dir__ = load_on_first_use(__name__)
