@@ -207,9 +207,8 @@ class MPICluster:
         return self.wait(self.view.execute(code, block=False), timeout_s, what)
 
     def activate(self, progress: bool = False, cell_timeout_s: float | None = None) -> MPICluster:
-        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary;
-        a cell still busy on some rank after ``cell_timeout_s`` seconds (default: ``px.resolve_cell_timeout``) fails,
-        naming them."""
+        """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary; a
+        cell busy on some rank past ``cell_timeout_s`` (default: ``px.resolve_cell_timeout``) fails, naming them."""
         if self._px is not None:
             self._px.stop()
         self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
