@@ -141,9 +141,9 @@ test: $(STAMP)
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
 
-# What needs no ranks, no notebooks and no browser: the loop to run after every change (a minute or more).
+# What needs no ranks, no notebooks and no browser: the loop to run after every change.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -m unit -n 2 --junitxml=$(JUNIT_DIR)/make-test-fast.xml
+	$(VENV)/bin/python -m pytest -m unit -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test-fast.xml
 
 # docs/timings.md rewritten from the last `make test` and `make test-fast` and the size of .venv: the one page of
 # measured times and counts, never edited by hand.

@@ -48,6 +48,7 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):
 SESSION_ORIGIN = os.environ[procs.ORIGIN]
 
 sys.path.insert(0, str(Path(__file__).parent / "tests" / "support"))  # what the tests share
+import fresh_python as fresh_python_module  # noqa: E402
 import machine_changes  # noqa: E402
 
 collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/notebooks/test_negative_notebooks.py runs them
@@ -122,6 +123,16 @@ def warm_pool():
     finally:
         del os.environ[WARM_POOL_FOR_NOTEBOOKS]
         pool.stop()
+
+
+@pytest.fixture(scope="session")
+def fresh_python():
+    """A fresh CPU-only interpreter per probe, in a fraction of a second (tests/support/fresh_python.py), with none
+    of the launcher variables of whatever runs pytest (mpirun, srun, torchrun)."""
+    env = {k: v for k, v in os.environ.items() if k not in fresh_python_module.LAUNCH_VARIABLES
+           and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PHYSICSNEMO_"))}
+    with fresh_python_module.FreshPython(env | {"CUDA_VISIBLE_DEVICES": ""}) as server:
+        yield server
 
 
 def clusters_in_use(pool) -> list[procs.Record]:

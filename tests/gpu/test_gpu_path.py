@@ -4,9 +4,6 @@ and one GPU per Slurm task; gpucheck's plan of rows per GPU count; strict_fp32 i
 cores from the affinity mask. No GPU needed: every GPU decision is a function of plain inputs or a patched count."""
 
 import json
-import subprocess
-import sys
-import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -325,7 +322,7 @@ def test_gpucheck_without_a_gpu_says_so_and_exits_0(monkeypatch, gpus, tmp_path,
     "torch.backends.cudnn.conv.fp32_precision = 'ieee'",  # the new API first: the legacy getter would raise
     "torch.backends.cuda.matmul.allow_tf32 = True; torch.backends.cudnn.allow_tf32 = True",  # the legacy API first
 ])
-def test_strict_fp32_uses_one_api_whichever_was_set_first(first):  # bug 7
+def test_strict_fp32_uses_one_api_whichever_was_set_first(first, fresh_python):  # bug 7
     code = f"""
         import torch
         from shardlab.measure import strict_fp32
@@ -337,7 +334,7 @@ def test_strict_fp32_uses_one_api_whichever_was_set_first(first):  # bug 7
         assert [f.fp32_precision for f in flags] == before, before
         print("OK")
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    proc = fresh_python.run(code)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
 
 

@@ -87,11 +87,10 @@ dist.destroy_process_group()
 """
 
 
-def test_collective_bytes_counts_calls_and_bytes_per_collective():
-    from shardlab.ranks.launch import job_environment
+def test_collective_bytes_counts_calls_and_bytes_per_collective(fresh_python):
+    from shardlab.ranks.launch import free_port
 
-    env = job_environment(CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", COLLECTIVES], capture_output=True, text=True, timeout=120, env=env)
+    proc = fresh_python.run(COLLECTIVES, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cost = json.loads(proc.stdout.split("COST", 1)[1])
     assert cost["ops"] == {"allreduce_": {"calls": 2, "bytes": 16 * 4 + 2 * 4}, "broadcast_": {"calls": 1, "bytes": 24}}

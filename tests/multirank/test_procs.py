@@ -142,8 +142,8 @@ def test_a_process_group_past_its_time_is_stopped_whole_and_named(tmp_path):
     was waited for."""
     child_pid = tmp_path / "child"
     cmd = ["sh", "-c", f"sleep 600 & echo $! > {child_pid}; wait"]
-    with pytest.raises(TimeoutError, match=r"the sleepers did not finish within 3 s.*sleep 600 &"):
-        procs.run_process_group(cmd, os.environ | procs.marked_environment(), 3, "the sleepers")
+    with pytest.raises(TimeoutError, match=r"the sleepers did not finish within 2 s.*sleep 600 &"):
+        procs.run_process_group(cmd, os.environ | procs.marked_environment(), 2, "the sleepers")
     with contextlib.suppress(psutil.NoSuchProcess):  # gone already, or ending: it was signalled with its shell
         psutil.Process(int(child_pid.read_text())).wait(timeout=15)
 

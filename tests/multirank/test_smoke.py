@@ -11,6 +11,7 @@ import pytest
 from shardlab.gpu_record import gpu_status
 from shardlab.ranks.launch import run_job
 from shardlab.tools.smoke import CHECKS, run_smoke
+from shardlab.tools.smoke import main as smoke_main
 from world_sizes import SMOKE
 
 
@@ -58,6 +59,7 @@ def test_bad_domain_size_exits_with_a_message_not_a_traceback(no_leftovers):
         run_smoke("torchrun", 2, checks=(), domain=3)
 
 
-def test_checks_without_distributed_is_a_usage_error():
-    out = subprocess.run([sys.executable, "-m", "shardlab.tools.smoke", "--check-grad"], capture_output=True, text=True)
-    assert out.returncode == 2 and "needs --distributed" in out.stderr
+def test_checks_without_distributed_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        smoke_main(["--check-grad"])
+    assert stop.value.code == 2 and "needs --distributed" in capsys.readouterr().err

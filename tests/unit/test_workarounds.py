@@ -1,33 +1,21 @@
 """Each test asserts that an upstream bug behind a shardlab workaround is STILL there.
 
 When one fails, upstream has fixed the bug: delete the workaround (and the test) as the
-assertion message says. Every check runs in a fresh CPU-only interpreter, because both
-bugs depend on import-time and process-group state that a test process cannot undo.
+assertion message says. Every check runs in an interpreter of its own (a fork of one that
+imported torch and PhysicsNeMo, fresh_python.py), because the bugs depend on import-time and
+process-group state that a test process cannot undo.
 """
 
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from shardlab.ranks.launch import free_port
 
 TIMEOUT_S = 120
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    # Drop launcher variables inherited from whatever runs pytest (mpirun, srun, torchrun).
-    base = {k: v for k, v in os.environ.items()
-            if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PHYSICSNEMO_"))}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**base, "CUDA_VISIBLE_DEVICES": "", **env},
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
 
 
 def _single_rank_env() -> dict:
@@ -35,8 +23,8 @@ def _single_rank_env() -> dict:
     return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
-def test_1936_cpu_process_group_init_still_fails_upstream():
-    result = _run(
+def test_1936_cpu_process_group_init_still_fails_upstream(fresh_python):
+    result = fresh_python.run(
         """
         from physicsnemo.distributed import DistributedManager
         DistributedManager.initialize()
@@ -51,8 +39,8 @@ def test_1936_cpu_process_group_init_still_fails_upstream():
     )
 
 
-def test_1936_workaround_gives_a_gloo_group():
-    result = _run(
+def test_1936_workaround_gives_a_gloo_group(fresh_python):
+    result = fresh_python.run(
         """
         import datetime
         import torch.distributed as dist
@@ -74,8 +62,8 @@ def test_1936_workaround_gives_a_gloo_group():
     )
 
 
-def test_nccl_workaround_is_in_place_when_the_group_is_created():
-    result = _run(
+def test_nccl_workaround_is_in_place_when_the_group_is_created(fresh_python):
+    result = fresh_python.run(
         """
         import datetime, os
         import torch.distributed as dist
@@ -98,10 +86,10 @@ def test_nccl_workaround_is_in_place_when_the_group_is_created():
     assert "SEEN 2 0" in result.stdout, result.stdout
 
 
-def test_shard_ops_still_unregistered_on_cpu_upstream():
+def test_shard_ops_still_unregistered_on_cpu_upstream(fresh_python):
     # torch.sum's handler is what register_custom_ops() adds (custom_ops/_reductions.py);
     # checking the registry rather than a module name survives upstream file moves.
-    result = _run(
+    result = fresh_python.run(
         """
         import torch
         import physicsnemo.domain_parallel as dp
@@ -140,10 +128,10 @@ print("FULL", json.dumps(keys()))
 """
 
 
-def test_the_series_registers_every_handler_but_the_point_cloud_ones():
+def test_the_series_registers_every_handler_but_the_point_cloud_ones(fresh_python):
     """One interpreter registers the series' handlers, then the point-cloud ones the series skips, then everything
     upstream's register_custom_ops() registers: the last step must add nothing."""
-    result = _run(REGISTERED)
+    result = fresh_python.run(REGISTERED)
     assert result.returncode == 0, result.stderr[-3000:]
     keys = {line.split(" ", 1)[0]: set(json.loads(line.split(" ", 1)[1])) for line in result.stdout.splitlines()
             if line.startswith(("SERIES ", "COVERED ", "FULL "))}
@@ -164,12 +152,11 @@ print("HASH", domain.mesh.tolist(), domain._stable_hash())
 """
 
 
-def test_submeshes_of_different_ranks_still_share_a_cache_key_upstream():
+def test_submeshes_of_different_ranks_still_share_a_cache_key_upstream(fresh_python):
     """Ranks 0 and 2 are in different domain groups ([0, 1] and [2, 3]): their submeshes should hash apart."""
     seen = []
     for rank in (0, 2):
-        result = subprocess.run([sys.executable, "-c", SUBMESH_HASH, str(rank)], capture_output=True, text=True,
-                                timeout=TIMEOUT_S)
+        result = fresh_python.run(SUBMESH_HASH, [str(rank)], TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-3000:]
         seen.append(result.stdout.split("HASH", 1)[1].split())
     assert seen[0][:2] != seen[1][:2]  # different ranks...
@@ -224,10 +211,10 @@ def test_the_nccl_settings_mean_what_the_docstring_says():
             assert data.find(text) >= 0, text
 
 
-def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_need_the_workaround():
+def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_need_the_workaround(fresh_python):
     """A checkpointed block's recompute, inside ``ShardTensor.backward``: without the workaround it runs with torch
     functions off (ShardTensor's handlers skipped), with ``recompute_with_shard_tensor_handlers`` on."""
-    result = _run(
+    result = fresh_python.run(
         """
         import json
         import torch
@@ -263,8 +250,8 @@ def test_shard_tensor_backward_still_turns_torch_functions_off_so_checkpoints_ne
         f"recompute_with_shard_tensor_handlers from shardlab/workarounds.py and its use in levers.py ({seen})")
 
 
-def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allocated():
-    result = _run(
+def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allocated(fresh_python):
+    result = fresh_python.run(
         """
         import json, torch
         from torch.profiler import ProfilerActivity, profile
