@@ -124,3 +124,38 @@ def test_the_morning_check_says_ready_on_this_machine(no_leftovers):
     assert proc.returncode == 0 and lines[-1] == "ready", proc.stdout[-3000:] + proc.stderr[-2000:]
     for step in ("environment", "notebook 00_setup", "notebook 02_device_mesh", "GPUs"):
         assert any(step in line for line in lines if line.startswith("[")), step
+
+
+class MissedWakeUp:
+    """A channel whose poll notices a message only when its timeout runs out (as a missed zmq wake-up does): the
+    message arrives before the ``arrives``-th poll; every poll's timeout is recorded."""
+
+    def __init__(self, arrives: int | None):
+        self.arrives, self.timeouts = arrives, []
+
+    async def get_msg(self, timeout=None):
+        import asyncio
+        from queue import Empty
+
+        self.timeouts.append(timeout)
+        await asyncio.sleep(timeout)  # slept through, whatever arrived meanwhile
+        if self.arrives is not None and len(self.timeouts) >= self.arrives:
+            return {"msg_type": "execute_reply"}
+        raise Empty
+
+
+def test_a_client_waits_in_slices_so_a_missed_wake_up_costs_one_slice(monkeypatch):
+    import asyncio
+    from queue import Empty
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(morning, "POLL_SLICE_S", 0.01)
+    shell, iopub = MissedWakeUp(arrives=3), MissedWakeUp(arrives=None)
+    client = SimpleNamespace(kc=SimpleNamespace(shell_channel=shell, iopub_channel=iopub))
+    morning.poll_in_slices(client)
+    # Asked to wait up to 300 s, it finds the reply at the end of the slice it arrived in, not after 300 s.
+    assert asyncio.run(client.kc.shell_channel.get_msg(timeout=300)) == {"msg_type": "execute_reply"}
+    assert shell.timeouts == [0.01] * 3
+    with pytest.raises(Empty):  # nothing comes: Empty when the whole timeout is spent, as before
+        asyncio.run(client.kc.iopub_channel.get_msg(timeout=0.05))
+    assert iopub.timeouts and max(iopub.timeouts) <= 0.01

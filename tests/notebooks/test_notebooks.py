@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient.exceptions import CellTimeoutError
 
-from notebook_runner import SLOW_S, NotebookRun, _timed, left_in_temp_folder, run_notebook
+from notebook_runner import SLOW_S, NotebookRun, _timed, kernel_seconds, left_in_temp_folder, run_notebook
 from shardlab.ranks import procs
 from shardlab.tools.handout import SOLUTION_TAG
 from world_sizes import NOTEBOOK_SIZES
@@ -72,12 +72,23 @@ def test_the_timing_report_names_the_slowest_cells_and_the_time_outside_them(tmp
     path = tmp_path / "stalls.ipynb"
     cells = ["import shardlab as sl", "%%px\nmeasured = sl.plan.measure_rank(model, mesh)", "x = 1\ny = 2"]
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
-    run = NotebookRun(path, cell_seconds={0: 3.0, 1: 290.0, 2: 7.25}, seconds=310.0)
+    # Cell 1 waited 290 s of which its kernel ran 14 s: the wait was on the client's side of the channels.
+    run = NotebookRun(path, cell_seconds={0: 3.0, 1: 290.0, 2: 7.25}, kernel_seconds={0: 2.9, 1: 14.0},
+                      seconds=310.0)
     lines = run.timing_report("failed (CellTimeoutError)").splitlines()
     assert lines[0] == "stalls.ipynb failed (CellTimeoutError) after 310 s; slowest cells:"
-    assert lines[1].split() == ["cell", "1", "290.0", "s", "%%px", "measured", "=", "sl.plan.measure_rank(model,",
-                                "mesh)"]
+    assert lines[1].split() == ["cell", "1", "290.0", "s", "(in", "the", "kernel", "14.0", "s)", "%%px", "measured",
+                                "=", "sl.plan.measure_rank(model,", "mesh)"]
+    assert "(in the kernel       ?  )" in lines[2]  # no kernel time recorded for cell 2
     assert [line.split()[1] for line in lines[2:4]] == ["2", "0"] and lines[4].endswith(": 9.8 s")
+
+
+def test_the_kernel_time_is_read_from_the_dates_nbclient_records():
+    cell = nbformat.v4.new_code_cell("x = 1")
+    assert kernel_seconds(cell) is None  # not run yet
+    cell.metadata["execution"] = {"iopub.execute_input": "2026-12-02T20:36:57.250000Z",
+                                  "shell.execute_reply": "2026-12-02T20:37:11.500000Z"}
+    assert kernel_seconds(cell) == 14.25
 
 
 def test_a_cell_that_fails_or_times_out_still_has_its_time_counted(tmp_path):
@@ -88,7 +99,7 @@ def test_a_cell_that_fails_or_times_out_still_has_its_time_counted(tmp_path):
 
     run = NotebookRun(tmp_path / "any.ipynb", cell_seconds={3: 1.0})
     with pytest.raises(TimeoutError):
-        _timed(Stalling(), None, 3, run)
+        _timed(Stalling(), nbformat.v4.new_code_cell("while True: pass"), 3, run)
     assert run.cell_seconds[3] >= 1.05
 
 

@@ -6,9 +6,12 @@ fail with "not answered yet", and every plausible wrong answer listed in the sol
 metadata (``shardlab.wrong_answers``) must fail too. Then the real solution and its check run, and
 the notebook goes on. One run covers the instructor copy and the handout, with no work done twice.
 
-Every cell's wall time is kept (rehearsals included, on the cell they ran) and the slowest cells are printed; a
-notebook slower than ``SLOW_S`` also warns with them, so that a stall says where it was. A cell that times out is
-interrupted, and the kernel says where it waited, and which ranks of its clusters were still busy and where.
+Every cell's wall time is kept (rehearsals included, on the cell they ran), beside the time it ran in its kernel, and
+the slowest cells are printed; a notebook slower than ``SLOW_S`` also warns with them, so that a stall says where it
+was, and on which side of the kernel's channels. The client waits on those channels in short slices
+(``morning.poll_in_slices``), so a reply that has arrived is never waited for until the cell's timeout. A cell that
+times out is interrupted, and the kernel says where it waited, and which ranks of its clusters were still busy and
+where.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from queue import Empty
 
@@ -30,7 +34,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
 from shardlab.ranks import procs, px, warm
 from shardlab.tools.handout import SOLUTION_TAG, blank_source, wrong_answers
-from shardlab.tools.morning import CURVE_KERNELS
+from shardlab.tools.morning import CURVE_KERNELS, poll_in_slices
 
 
 @dataclass
@@ -58,14 +62,17 @@ class NotebookRun:
     path: Path
     rehearsals: list[Rehearsal] = field(default_factory=list)
     cell_seconds: dict[int, float] = field(default_factory=dict)  # by cell index, every execution of it added up
+    kernel_seconds: dict[int, float] = field(default_factory=dict)  # the same, as the kernel's clock saw them
     seconds: float = 0.0  # the whole run, kernel start and shutdown included
     last_cell: int = 0  # the cell run last: the one that failed or timed out, if one did
 
     def slowest_cells(self, count: int = SLOWEST_SHOWN) -> list[str]:
-        """The ``count`` slowest cells: index, first line, seconds."""
+        """The ``count`` slowest cells: index, seconds (and the kernel's share of them), first line."""
         cells = nbformat.read(self.path, as_version=4).cells
         ranked = sorted(self.cell_seconds.items(), key=lambda item: -item[1])[:count]
-        return [f"cell {i:>3} {seconds:7.1f} s  {first_line(cells[i].source)[:80]}" for i, seconds in ranked]
+        kernel = {i: f"{s:7.1f} s" for i, s in self.kernel_seconds.items()}
+        return [f"cell {i:>3} {seconds:7.1f} s (in the kernel {kernel.get(i, '      ?  ')})  "
+                f"{first_line(cells[i].source)[:70]}" for i, seconds in ranked]
 
     def timing_report(self, outcome: str) -> str:
         outside = self.seconds - sum(self.cell_seconds.values())
@@ -81,12 +88,24 @@ def first_line(source: str) -> str:
 
 
 def _timed(client: NotebookClient, cell, index: int, run: NotebookRun) -> None:
-    """Execute one cell, adding its wall time to the cell's, also when it fails or times out."""
+    """Execute one cell, adding its wall time to the cell's, also when it fails or times out, and the time the
+    kernel's own messages say it ran (from its execute_input to its execute_reply) when both came."""
     t0, run.last_cell = time.perf_counter(), index
     try:
         client.execute_cell(cell, index)
     finally:
         run.cell_seconds[index] = run.cell_seconds.get(index, 0.0) + time.perf_counter() - t0
+        if (seconds := kernel_seconds(cell)) is not None:
+            run.kernel_seconds[index] = run.kernel_seconds.get(index, 0.0) + seconds
+
+
+def kernel_seconds(cell) -> float | None:
+    """How long ``cell`` last ran in its kernel, by the kernel's clock (nbclient records both messages' dates)."""
+    execution = cell.get("metadata", {}).get("execution", {})
+    began, replied = execution.get("iopub.execute_input"), execution.get("shell.execute_reply")
+    if not (began and replied):
+        return None
+    return (datetime.fromisoformat(replied) - datetime.fromisoformat(began)).total_seconds()
 
 
 def _run(client: NotebookClient, cell, index: int, run: NotebookRun) -> tuple[str | None, str]:
@@ -210,6 +229,7 @@ def where_it_waited(client: NotebookClient) -> str:
 
 def _execute(client: NotebookClient, nb, run: NotebookRun, rehearse: bool, env: dict) -> None:
     with client.setup_kernel(env=env):
+        poll_in_slices(client)
         try:
             _execute_cells(client, nb, run, rehearse)
         except CellTimeoutError:

@@ -47,6 +47,8 @@ KERNEL_START_S = 60
 # prints no warning about TCP. Configuration, not a kernel manager of ours: nbclient shuts down only a kernel whose
 # manager it made itself.
 CURVE_KERNELS = Config({"KernelManager": {"transport_encryption": "auto"}})
+# A notebook client's waits on the kernel's channels, in slices of this many seconds (see poll_in_slices).
+POLL_SLICE_S = 1.0
 MIN_STEP_S = 20  # a step given less than this is not started
 GPU_ROWS = {"smoke": 120, "tf32-error": 120}  # gpu-check's quick rows, and the budget each gets here
 OK, SKIPPED, FAILED = "ok", "skipped", "FAILED"
@@ -153,11 +155,39 @@ def step_imports() -> Result:
 # --- step 2: the notebooks -----------------------------------------------------------------------------------------
 
 
+def poll_in_slices(client) -> None:
+    """Make ``client`` (an nbclient NotebookClient whose kernel is set up) wait on its shell and IOPub channels in
+    slices of ``POLL_SLICE_S`` instead of one long poll.
+
+    Why: one long zmq.asyncio poll can sleep through a message that has arrived, and find it only in the final
+    ``poll(0)`` it makes at its timeout (pyzmq's ``_AsyncPoller.poll``; pyzmq #2173 reports such missed wake-ups). A
+    cell of notebook 09 ran 14 s in its kernel, yet nbclient waited exactly its 300 s cell timeout for the reply, and
+    then passed. In slices, a missed wake-up costs at most one slice."""
+    from queue import Empty
+
+    def sliced(channel):
+        get_msg = channel.get_msg
+
+        async def get_msg_in_slices(timeout=None):
+            ends = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if ends is None else max(0.0, min(POLL_SLICE_S, ends - time.monotonic()))
+                try:
+                    return await get_msg(timeout=left)
+                except Empty:
+                    if ends is not None and time.monotonic() >= ends:
+                        raise
+
+        channel.get_msg = get_msg_in_slices
+
+    sliced(client.kc.shell_channel)
+    sliced(client.kc.iopub_channel)
+
+
 def step_notebook(path: Path, limit_s: float) -> Result:
     """Run one notebook top to bottom as tests/notebooks/test_notebooks.py does, in a temp folder of its own, without
-    the
-    learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs) is
-    stopped and named."""
+    the learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs)
+    is stopped and named."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -175,6 +205,7 @@ def step_notebook(path: Path, limit_s: float) -> Result:
         env = {k: v for k, v in os.environ.items() if k != POOL} | {"TMPDIR": temp_folder}
         try:
             with client.setup_kernel(env=env):
+                poll_in_slices(client)
                 for index, cell in enumerate(nb.cells):
                     if cell.cell_type == "code":
                         client.timeout = max(int(ends - time.monotonic()), 1)  # what is left of the notebook's time
