@@ -191,7 +191,8 @@ $(STAMP): container/requirements.txt helpers/pyproject.toml $(wildcard lab-confi
 	$(install_lab_settings)
 	@touch $(STAMP)
 else
-# The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately.
+# The lock is installed hash-checked; the local helpers package (editable, so not hash-checkable) separately. The
+# downloaded wheels are not kept: pip's cache of them would be gigabytes more than .venv's size says.
 $(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/overrides.json)
 	$(call fresh_venv,,installing the series into $(VENV)$(if $(VENV_SIZE),: $(VENV_SIZE) on disk)$(if $(VENV_TIME), \
 		and $(VENV_TIME) when last measured) (docs/timings.md); pip's time depends on the network and the machine.)
@@ -199,7 +200,7 @@ $(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/override
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	@echo "[2/4] the locked packages, hash-checked (requirements.txt; pip's progress below: what it collects and" \
 		"downloads, then the install, where torch and the NVIDIA libraries take most of the time)"
-	$(VENV)/bin/python -m pip install --require-hashes -r requirements.txt
+	$(VENV)/bin/python -m pip install --require-hashes --no-cache-dir -r requirements.txt
 	@echo "[3/4] the series' helpers (shardlab, editable)"
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e helpers
 	@echo "[4/4] the \"$(KERNEL_NAME)\" kernel and JupyterLab's settings, in $(VENV)"

@@ -124,7 +124,8 @@ print("HOME", os.environ["HOME"], "IPYTHONDIR", os.environ.get("IPYTHONDIR"))
 def test_make_lab_with_a_kernel_and_ranks_writes_nothing_into_the_home_folder(tmp_path, no_leftovers):
     """The real `make lab PORT=… BROWSER=no`, as a learner runs it in a terminal (stdin a terminal, HOME an empty
     folder): a kernel started through the server's REST API runs a 2-rank cluster, stops it (parked in `make lab`'s
-    pool), draws a figure; Ctrl-C twice stops JupyterLab, its kernel and the parked ranks; HOME is still empty."""
+    pool), draws a figure; Ctrl-C twice stops JupyterLab, its kernel and the parked ranks; HOME is still empty, and
+    the terminal showed neither the unencrypted-kernel nor the unsigned-messages warning."""
     home = tmp_path / "home"
     home.mkdir()
     env = _learners_environment(home)
@@ -186,6 +187,9 @@ def test_make_lab_with_a_kernel_and_ranks_writes_nothing_into_the_home_folder(tm
     assert not _processes_of_group(lab.pid), "JupyterLab or shardlab.ranks.warm still running after Ctrl-C twice"
     assert _files_in(home) == [], f"written into HOME: {_files_in(home)}"
     assert (STATE / "ipython" / "profile_default").is_dir()  # the kernel's IPython wrote into .state instead
+    terminal_text = log_path.read_text()  # JupyterLab's, and its kernel's, whose stderr goes to the terminal
+    for warning in ("running over TCP without encryption", "Message signing is disabled"):
+        assert warning not in terminal_text, f"make lab's terminal shows {warning!r}:\n{terminal_text[-3000:]}"
 
 
 def _processes_of_group(pgid: int) -> list[int]:

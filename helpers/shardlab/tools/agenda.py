@@ -1,8 +1,8 @@
 """A workshop's agenda, laid out from INSTRUCTORS.md's timings table:
 ``python -m shardlab.tools.agenda [FILE] [--check]``.
 
-The table gives each notebook its run time (measured: ``pytest --nbmake notebooks/ --durations=0``) and its teaching
-time (the run plus reading and exercises). This lays the teaching times out into a one-day and a two-day agenda with
+The table gives each notebook its teaching time (running it, reading and exercises; the measured run times are in
+docs/timings.md). This lays the teaching times out into a one-day and a two-day agenda with
 breaks and writes it into the file between the two agenda markers, so the agenda follows the table and is never
 edited by hand. ``--check`` changes nothing and exits 1 when the agenda in the file is not the table's
 (tests/unit/test_agenda.py).
