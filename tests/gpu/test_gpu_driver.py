@@ -68,7 +68,8 @@ def node(monkeypatch, tmp_path):
     """``node(*gpus, driver=..., cuda_sees=N)``: this machine becomes a node whose nvidia-smi lists ``gpus`` ((name,
     compute capability) pairs) on ``driver``, and whose torch counts ``cuda_sees`` GPUs, built for ``ARCHS`` with
     CUDA 13.0. ``failure`` (exit code, message), ``hang``, ``fields`` (what the driver's nvidia-smi can query);
-    ``smi=False``: no nvidia-smi at all. PATH holds the fake alone."""
+    ``smi=False``: no nvidia-smi at all; ``driver_lists``: how many GPUs the kernel driver lists (``/proc``). PATH
+    holds the fake alone."""
     folder = tmp_path / "bin"
     folder.mkdir()
     monkeypatch.setenv("PATH", str(folder))
@@ -77,9 +78,14 @@ def node(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(ARCHS))
 
     def make(*gpus, driver="535.104.05", cuda_sees=0, failure=None, hang=False, smi=True,
-             fields=("name", "driver_version", "compute_cap")):
+             fields=("name", "driver_version", "compute_cap"), driver_lists=0):
         if smi:
             fake_nvidia_smi(folder, gpus, driver, fields, failure, hang)
+        listed = tmp_path / "proc-driver-nvidia-gpus"
+        listed.mkdir(exist_ok=True)
+        for bus in range(driver_lists):
+            (listed / f"0000:{bus:02x}:00.0").mkdir()
+        monkeypatch.setattr(devices, "NVIDIA_DRIVER_GPUS", str(listed))
         for module in (devices, gpucheck):
             monkeypatch.setattr(module, "visible_gpus", lambda: cuda_sees)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_sees)
@@ -131,6 +137,17 @@ def test_no_gpu_at_all_is_the_only_no_gpu_pass(node, capsys, gpus, smi):
     node(*gpus, smi=smi)
     assert devices.unusable_gpus(0) == ""
     assert gpucheck.main([]) == 0 and "No GPU is visible here" in capsys.readouterr().out
+
+
+def test_gpus_the_driver_lists_without_nvidia_smi_are_not_taken_for_none(node, capsys, monkeypatch):
+    node(smi=False, driver_lists=4)
+    message = devices.unusable_gpus(0)
+    assert "the NVIDIA driver found 4 GPU(s)" in message and "nvidia-smi is not on PATH" in message
+    assert "need driver R580 or newer" in message
+    assert gpucheck.main([]) == 1 and "No GPU is visible here" not in capsys.readouterr().out
+    assert devices.unusable_gpus(4) == ""  # CUDA sees them: nothing to say
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices.unusable_gpus(0) == ""  # hidden on purpose
 
 
 def test_a_driver_that_fits_and_cuda_seeing_every_gpu_is_fine(node):

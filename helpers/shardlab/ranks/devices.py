@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
+# One folder per GPU that the loaded NVIDIA kernel driver found: what says a node has GPUs when nvidia-smi is missing.
+NVIDIA_DRIVER_GPUS = "/proc/driver/nvidia/gpus"
 
 
 class DeviceError(ValueError):
@@ -235,7 +237,8 @@ def unusable_gpus(cuda_gpus: int, env: Mapping[str, str] | None = None, timeout_
     """Why CUDA cannot use GPUs this node has, as one message naming the driver found, the driver the installed torch
     wheels need and the GPU architectures they run on (and a GPU's own when they do not run on it); "" when the node
     has no GPU (no nvidia-smi, or it lists none), or when CUDA sees every GPU it should (``cuda_gpus``: torch's
-    count; the node's GPUs, or as many as CUDA_VISIBLE_DEVICES selects) and the wheels run on each. Without it, a
+    count; the node's GPUs, or as many as CUDA_VISIBLE_DEVICES selects) and the wheels run on each. Without
+    nvidia-smi, the kernel driver's own list of GPUs says whether there are any. Without this check, a
     driver too old for the wheels looks like a machine without GPUs: torch counts none, every job runs on CPU."""
     import shutil
     import subprocess
@@ -243,12 +246,17 @@ def unusable_gpus(cuda_gpus: int, env: Mapping[str, str] | None = None, timeout_
     import torch
 
     env = os.environ if env is None else env
-    if (smi := shutil.which("nvidia-smi", path=env.get("PATH"))) is None:
-        return ""
     cuda, archs = torch.version.cuda, [a for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
     branch = CUDA_DRIVER_BRANCH.get((cuda or "").split(".")[0], 0)
     wheels = (f"the torch {torch.__version__} wheels (CUDA {cuda}) need driver R{branch} or newer and run on GPUs "
               f"{', '.join(archs)}" if cuda else f"torch {torch.__version__} is built without CUDA")
+    if (smi := shutil.which("nvidia-smi", path=env.get("PATH"))) is None:
+        present = len(os.listdir(NVIDIA_DRIVER_GPUS)) if os.path.isdir(NVIDIA_DRIVER_GPUS) else 0
+        if present and not cuda_gpus and env.get("CUDA_VISIBLE_DEVICES") is None:
+            return (f"the NVIDIA driver found {present} GPU(s) on this node ({NVIDIA_DRIVER_GPUS}) but CUDA sees none, "
+                    f"and nvidia-smi is not on PATH to say why; {wheels}. Put the driver's nvidia-smi on PATH (it "
+                    "shows the driver's version) and update the driver if it is older than that.")
+        return ""
     for fields in ("driver_version,compute_cap,name", "driver_version,name"):  # compute_cap: drivers R510 and newer
         try:
             smi_run = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
