@@ -327,8 +327,7 @@ def test_the_session_guard_stops_only_what_its_run_started(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(root / "conftest.py", run / "conftest.py")
-    (run / "tests" / "support").mkdir(parents=True)
-    shutil.copy(root / "tests" / "support" / "machine_changes.py", run / "tests" / "support")  # the conftest's support
+    shutil.copytree(root / "tests" / "support", run / "tests" / "support")  # what the conftest imports from there
     (run / "pytest.ini").write_text("[pytest]\n")
     (run / "test_inner.py").write_text(INNER_TEST)
     try:
