@@ -160,9 +160,10 @@ def poll_in_slices(client) -> None:
     slices of ``POLL_SLICE_S`` instead of one long poll.
 
     Why: one long zmq.asyncio poll can sleep through a message that has arrived, and find it only in the final
-    ``poll(0)`` it makes at its timeout (pyzmq's ``_AsyncPoller.poll``; pyzmq #2173 reports such missed wake-ups). A
-    cell of notebook 09 ran 14 s in its kernel, yet nbclient waited exactly its 300 s cell timeout for the reply, and
-    then passed. In slices, a missed wake-up costs at most one slice."""
+    ``poll(0)`` it makes at its timeout (pyzmq's ``_AsyncPoller.poll``; pyzmq #2173, closed without a reproduction,
+    reported such missed wake-ups). A cell of notebook 09 that takes seconds once waited exactly nbclient's 300 s
+    cell timeout for its reply, and then passed, which a kernel still busy at the timeout would not have. In
+    slices, a missed wake-up costs at most one slice."""
     from queue import Empty
 
     def sliced(channel):
