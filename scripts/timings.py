@@ -110,7 +110,8 @@ def render(record: dict) -> str:
         out.append(f"{run['date']}, {run['machine']}: {sum(c.values())} tests in {minutes(run['wall_s'])} of wall time "
                    f"({c['passed']} passed, {c['skipped']} skipped, {c['failed']} failed).")
         out += ["", "| test file | tests | seconds, summed over the workers |", "|---|---|---|"]
-        out += [f"| `{f}` | {n} | {s:.1f} |" for f, (n, s) in sorted(run["files"].items(), key=lambda i: -i[1][1])]
+        by_time = sorted(run["files"].items(), key=lambda item: (-item[1][1], item[0]))  # ties by name
+        out += [f"| `{f}` | {n} | {s:.1f} |" for f, (n, s) in by_time]
         if run["notebooks"]:
             out += ["", "| notebook test (4 ranks unless named) | seconds |", "|---|---|"]
             out += [f"| `{name}` | {s:.1f} |" for name, s in sorted(run["notebooks"])]

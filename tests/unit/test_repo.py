@@ -209,12 +209,13 @@ def test_the_timings_page_is_what_make_timings_writes():
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
-skipped="1" tests="3" time="{wall}" timestamp="2026-12-10T14:03:11.5">
+skipped="1" tests="4" time="{wall}" timestamp="2026-12-10T14:03:11.5">
 <testcase classname="tests.notebooks.test_notebooks"
 name="test_notebook_runs_and_its_checks_reject_wrong_answers[07_capstone]" time="86.25"/><testcase
 classname="tests.unit.test_repo" name="test_lock_pins_every_package_with_hashes" time="0.5"><failure message="no"/>
 </testcase><testcase classname="tests.system.test_slurm" name="test_srun_smoke" time="0.01">
-<skipped message="no slurm"/></testcase></testsuite></testsuites>"""
+<skipped message="no slurm"/></testcase><testcase classname="tests.gpu.test_gpu_path" name="test_a_tie" time="0.02"/>
+</testsuite></testsuites>"""  # the last file ties the one before it: their order must survive the page's record
 
 
 def test_make_timings_rewrites_the_page_from_the_last_runs_and_keeps_older_ones(tmp_path, monkeypatch):
@@ -225,7 +226,7 @@ def test_make_timings_rewrites_the_page_from_the_last_runs_and_keeps_older_ones(
     full.write_text(JUNIT.format(wall=1234.4))
     assert timings.main([str(page)]) == 0
     text = page.read_text()
-    assert "2026-12-10 14:03" in text and "3 tests in 20.6 min of wall time (1 passed, 1 skipped, 1 failed)" in text
+    assert "2026-12-10 14:03" in text and "4 tests in 20.6 min of wall time (2 passed, 1 skipped, 1 failed)" in text
     assert "| `07_capstone` | 86.2 |" in text and "| `tests/notebooks/test_notebooks.py` | 1 | 86.2 |" in text
     assert "No run recorded yet: run `make test-fast`" in text
     assert timings.main(["--check", str(page)]) == 0
@@ -236,7 +237,7 @@ def test_make_timings_rewrites_the_page_from_the_last_runs_and_keeps_older_ones(
     fast.write_text(JUNIT.format(wall=82.0))
     assert timings.main([str(page)]) == 0
     text = page.read_text()
-    assert "in 20.6 min of wall time" in text and "3 tests in 82 s of wall time" in text
+    assert "in 20.6 min of wall time" in text and "4 tests in 82 s of wall time" in text
 
 
 def test_make_env_says_what_the_timings_page_measured_before_it_installs(tmp_path):
