@@ -236,10 +236,10 @@ CUDA_DRIVER_BRANCH = {"11": 450, "12": 525, "13": 580}
 def unusable_gpus(cuda_gpus: int, env: Mapping[str, str] | None = None, timeout_s: float = 10.0) -> str:
     """Why CUDA cannot use GPUs this node has, as one message naming the driver found, the driver the installed torch
     wheels need and the GPU architectures they run on (and a GPU's own when they do not run on it); "" when the node
-    has no GPU (no nvidia-smi, or it lists none), or when CUDA sees every GPU it should (``cuda_gpus``: torch's
-    count; the node's GPUs, or as many as CUDA_VISIBLE_DEVICES selects) and the wheels run on each. Without
-    nvidia-smi, the kernel driver's own list of GPUs says whether there are any. Without this check, a
-    driver too old for the wheels looks like a machine without GPUs: torch counts none, every job runs on CPU."""
+    has no GPU (nvidia-smi lists none; without nvidia-smi, the kernel driver's own list is empty), or when CUDA sees
+    every GPU it should (``cuda_gpus``: torch's count; the node's GPUs, or as many as CUDA_VISIBLE_DEVICES selects)
+    and the wheels run on each. Without this check, a driver too old for the wheels looks like a machine without
+    GPUs: torch counts none, every job runs on CPU."""
     import shutil
     import subprocess
 

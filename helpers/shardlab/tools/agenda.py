@@ -2,10 +2,9 @@
 ``python -m shardlab.tools.agenda [FILE] [--check]``.
 
 The table gives each notebook its teaching time (running it, reading and exercises; the measured run times are in
-docs/timings.md). This lays the teaching times out into a one-day and a two-day agenda with
-breaks and writes it into the file between the two agenda markers, so the agenda follows the table and is never
-edited by hand. ``--check`` changes nothing and exits 1 when the agenda in the file is not the table's
-(tests/unit/test_agenda.py).
+docs/timings.md). This lays the teaching times out into a one-day and a two-day agenda with breaks and writes it
+into the file between the two agenda markers, so the agenda follows the table and is never edited by hand.
+``--check`` changes nothing and exits 1 when the agenda in the file is not the table's (tests/unit/test_agenda.py).
 
 The layout: sessions of whole notebooks, each at most ``SESSION_MAX_MIN`` minutes, from ``START``; a coffee break
 between sessions, and lunch at the break nearest ``LUNCH_AT``. The two-day agenda splits the notebooks where the
