@@ -121,10 +121,10 @@ def test_verdicts_fit_smallest_domain_and_no_domain():
     planner = plan.Planner(plan.conv_model(2, width=64, depth=6), plan.parse_field("8192x8192"))
     capacity = plan.parse_size("80GiB")
     assert plan.verdict(planner, planner.plan(domain=1), capacity).text == (
-        "does not fit: smallest domain size that fits is 3")
+        "does not fit: smallest domain size that fits is 3 (scatter loading)")  # domain 1: no field is scattered
     assert not planner.fits(capacity, domain=2) and planner.fits(capacity, domain=3)
     fits = plan.verdict(planner, planner.plan(domain=4), capacity)
-    assert fits.fits and fits.text.startswith("fits with ") and fits.text.endswith(" GiB left")
+    assert fits.fits and fits.text.startswith("fits with ") and fits.text.endswith(" GiB left (scatter loading)")
     assert fits.left == capacity - fits.need - fits.headroom
     tiny = plan.verdict(planner, planner.plan(domain=1), plan.parse_size("1GiB"))
     assert tiny.text.startswith("does not fit at any domain size") and "scatter_tensor" in tiny.text

@@ -17,9 +17,12 @@ autograd says what it keeps:
   padding along that dim: what PhysicsNeMo's ShardTensor convolution does (``compute_halo_configs_from_conv_args``
   and ``compute_haloed_and_padded_input_shape`` in ``physicsnemo/domain_parallel/shard_utils/conv_patches.py``).
   **halos** is the part of those saved bytes that are rows beyond the rank's own;
-- **transient**: ``scatter_tensor`` broadcasts the whole tensor to every rank of the domain group before each keeps
-  its slice, so the full field visits every rank. When the slice is a view (one sample, one channel, split along
-  H), the full buffer even stays allocated as long as the sharded input lives;
+- **transient**: how each rank gets its batch, ``loading`` (``LOADINGS``). ``"scatter"`` (the default, notebooks
+  03-11): ``scatter_tensor`` broadcasts the whole tensor to every rank of the domain group before each keeps its
+  slice, so the full field visits every rank. When the slice is a view (one sample, one channel, split along H), the
+  full buffer even stays allocated as long as the sharded input lives. ``"slab"`` (notebook 12): each rank reads
+  only its own rows from storage, into a tensor of their size, and wraps them with ``ShardTensor.from_local(...,
+  sharding_shapes=...)``: no full field on any rank, transient 0, and the replayed step starts from those rows;
 - **buffers** (named for the wrapper, ``BUFFERS``): DDP's gradient buckets (a second copy of every gradient,
   ``gradient_as_bucket_view=False``), or FSDP2's all-gathered parameters: two neighbouring ``fully_shard`` units at
   once, because FSDP2 prefetches the next unit's all-gather in backward by default (each shard padded to the size of
@@ -55,7 +58,7 @@ shardlab.plan``).
 """
 
 from .cli import main
-from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, MiB, conv_model, fmt_bytes, parse_field, parse_size
+from .inputs import DTYPES, GPUS, LOADINGS, OPTIMIZERS, GiB, MiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import (
     compare,
     comparison_table,
@@ -72,7 +75,7 @@ from .planner import Planner, Verdict, plan, verdict
 from .records import ACCOUNTED, BUFFERS, CATEGORIES, LEFT_OUT, Plan, RankBytes, headroom
 from .trace import conv_halo
 
-__all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "OPTIMIZERS", "GiB", "MiB", "Plan",
-           "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model", "fmt_bytes",
-           "gpu_check", "headroom", "main", "measure_cases", "measure_on_ranks", "measure_rank", "parse_field",
-           "parse_size", "peak_cases", "peak_table", "plan", "predict_case", "series_cases", "verdict"]
+__all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "LOADINGS", "OPTIMIZERS", "GiB", "MiB",
+           "Plan", "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model",
+           "fmt_bytes", "gpu_check", "headroom", "main", "measure_cases", "measure_on_ranks", "measure_rank",
+           "parse_field", "parse_size", "peak_cases", "peak_table", "plan", "predict_case", "series_cases", "verdict"]

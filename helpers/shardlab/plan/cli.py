@@ -13,7 +13,7 @@ from ..levers import Levers
 from ..ranks.launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
 from ..train import WRAPPERS
-from .inputs import DTYPES, GPUS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
+from .inputs import DTYPES, GPUS, LOADINGS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict
 from .records import LEFT_OUT, Plan
@@ -22,8 +22,8 @@ from .records import LEFT_OUT, Plan
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:
     print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
           f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
-          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}; levers: "
-          f"{result.levers}")
+          f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}; loading: "
+          f"{result.loading} ({LOADINGS[result.loading]}); levers: {result.levers}")
     print(result.table())
     for note in result.notes:
         print(f"# {note}")
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
                         help="FSDP2's MixedPrecisionPolicy param_dtype (fp32 master weights and gradient reduction)")
     parser.add_argument("--no-reshard-after-forward", action="store_true",
                         help="FSDP2 keeps every unit gathered from its forward to its backward")
+    parser.add_argument("--loading", choices=list(LOADINGS), default="scatter",
+                        help="how each rank gets its batch: scatter (scatter_tensor, the whole field on every rank of "
+                             "a domain group) or slab (each rank reads only its own rows: no full field anywhere)")
     parser.add_argument("--json", help="write the per-rank rows and the verdict to this file")
     parser.add_argument("--measure", action="store_true",
                         help="measure the series' cases (notebooks 04, 05, 07; N = 1, 2, 4; DDP, FSDP2) on 4 ranks")
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
         capacity = parse_size(args.gpu) if args.gpu else None
         model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
         planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
-                          name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})")
+                          name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})",
+                          loading=args.loading)
         levers = Levers(args.checkpoint, args.autocast and DTYPES[args.autocast],
                         args.param_dtype and DTYPES[args.param_dtype], not args.no_reshard_after_forward)
         result = planner.plan(args.ddp, args.domain, args.wrapper, levers)

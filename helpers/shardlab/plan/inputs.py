@@ -17,6 +17,11 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, foreach=True),
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
 }
+# How each rank gets its batch. "scatter": ``scatter_tensor`` broadcasts the whole input and target to every rank of
+# the domain group, which keeps its slice. "slab": each rank reads only its own rows from storage, into a tensor of
+# its own, and wraps them with ``ShardTensor.from_local(..., sharding_shapes=...)``: no full field on any rank.
+LOADINGS = {"scatter": "scatter_tensor: the whole field on every rank of a domain group",
+            "slab": "each rank reads its own rows (ShardTensor.from_local): no full field on any rank"}
 # The memory the driver reports (nvidia-smi's memory.total), which is what a job can allocate before the CUDA context
 # and NCCL take their share (those are in the verdict's headroom). Figures as nvidia-smi prints them for each card.
 GPUS = {
@@ -27,6 +32,13 @@ GPUS = {
     "H100 (80 GB)": 81559 * MiB,
     "H200 (141 GB)": 143771 * MiB,
 }
+
+
+def check_loading(loading: str) -> str:
+    """``loading`` itself, or a ValueError that names the modes."""
+    if loading not in LOADINGS:
+        raise ValueError(f"loading={loading!r}: choose one of {list(LOADINGS)} (--loading on the command line).")
+    return loading
 
 
 def parse_field(text: str, channels: int = 1, batch: int = 1) -> tuple[int, ...]:

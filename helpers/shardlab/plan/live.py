@@ -296,8 +296,9 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
 
 
 def predict_case(case: dict, device: str = "cuda", threads: int | None = None) -> Plan:
-    """The planner's prediction for one of ``series_cases`` (or any case of that form), for ``device``'s kernels
-    (CPU: this CPU's, with ``threads`` intra-op threads, as the ranks ran)."""
+    """The planner's prediction for one of ``series_cases`` (or any case of that form, its ``"loading"`` scatter
+    unless it says slab), for ``device``'s kernels (CPU: this CPU's, with ``threads`` intra-op threads, as the ranks
+    ran)."""
     from .inputs import conv_model
 
     field_shape = case["field"] or [1, 1, 64, 64]  # the Darcy fields of data/
@@ -305,7 +306,7 @@ def predict_case(case: dict, device: str = "cuda", threads: int | None = None) -
     model = conv_model(len(field_shape) - 2, width=kwargs["width"], depth=kwargs["layers"],
                        kernel_size=kwargs["kernel_size"])
     return plan(model, field_shape, ddp=case["ddp"], domain=case["domain"], wrapper=case["wrapper"], device=device,
-                levers=case_levers(case), threads=threads)
+                levers=case_levers(case), threads=threads, loading=case.get("loading", "scatter"))
 
 
 def comparison_table(measurement: dict) -> list[dict]:

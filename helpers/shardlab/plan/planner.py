@@ -1,4 +1,5 @@
-"""The planner: every rank's bytes for one model and field over any ``(ddp, domain)`` layout, and the verdict."""
+"""The planner: every rank's bytes for one model and field over any ``(ddp, domain)`` layout and loading mode
+(``inputs.LOADINGS``: scatter_tensor or each rank's own slab of rows), and the verdict."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from ..levers import NO_LEVERS, Levers, use_checkpointing
 from ..mesh import check_batch_per_domain_group
 from ..train import WRAPPERS, fsdp_units
-from .inputs import DTYPES, OPTIMIZERS, GiB, fmt_bytes
-from .records import BUFFERS, Plan, RankBytes
+from .inputs import DTYPES, OPTIMIZERS, GiB, check_loading, fmt_bytes
+from .records import BUFFERS, Plan, RankBytes, headroom
 from .search import DomainSearch
 from .trace import (
     FFTDims,
@@ -27,6 +28,8 @@ from .trace import (
     trace_rank,
 )
 from .workspace import CPUWorkspace
+
+SLAB_OPTION = 'loading="slab" (--loading slab)'  # how a message names slab loading, in Python and on the command line
 
 
 @dataclass
@@ -44,11 +47,14 @@ class _State:
 
 
 class Planner(DomainSearch):
-    """Plans for one model, field, dtype and optimizer, over any layouts and levers (``plan(..., levers=)``); traces
-    are cached per distinct rank shape and lever set. The domain sizes are searched in ``DomainSearch``."""
+    """Plans for one model, field, dtype, optimizer and ``loading`` (``"scatter"``: ``scatter_tensor`` sends the
+    whole field to every rank of a domain group; ``"slab"``: each rank reads only its own rows), over any layouts and
+    levers (``plan(..., levers=)``); traces are cached per distinct rank shape and lever set. The domain sizes are
+    searched in ``DomainSearch``."""
 
     def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
-                 name: str | None = None, device: str = "cuda", threads: int | None = None):
+                 name: str | None = None, device: str = "cuda", threads: int | None = None, loading: str = "scatter"):
+        self.loading = check_loading(loading)
         if isinstance(dtype, str):
             dtype = DTYPES[dtype]
         if optimizer not in OPTIMIZERS:
@@ -94,6 +100,14 @@ class Planner(DomainSearch):
         self._states: dict[tuple, _State] = {}
         self._shards: dict[int, list] = {}  # per ddp size: fully_shard's split of each parameter
 
+    def with_loading(self, loading: str) -> Planner:
+        """The same planner with another loading mode, sharing its model and caches (traces are keyed by mode)."""
+        if check_loading(loading) == self.loading:
+            return self
+        other = copy.copy(self)
+        other.loading = loading
+        return other
+
     def _model(self, levers: Levers) -> torch.nn.Module:
         """The meta model as the levers make it: checkpointed, and in FSDP2's ``param_dtype`` (its unsharded
         parameters, hence its compute and its unsharded gradients, are in that dtype)."""
@@ -107,10 +121,10 @@ class Planner(DomainSearch):
 
     def _trace(self, domain: int, position: int, rows: int, levers: Levers) -> Trace:
         key = (domain > 1, position == 0, position == domain - 1, rows,  # all a rank's slice depends on
-               levers.checkpoint, levers.autocast, levers.param_dtype)
+               levers.checkpoint, levers.autocast, levers.param_dtype, self.loading)
         if key not in self._traces:
             self._traces[key] = trace_rank(self._model(levers), self.field_shape, self.out_channels, self.dtype,
-                                           self.dim, domain, position, self.workspace, levers)
+                                           self.dim, domain, position, self.workspace, levers, self.loading)
         return self._traces[key]
 
     def _gathered(self, ddp: int, elsize: int, reshard_after_forward: bool = True) -> int:
@@ -219,12 +233,15 @@ class Planner(DomainSearch):
         return row
 
     def full_fields(self) -> tuple[int, int]:
-        """Bytes of the whole input and the whole target: what scatter_tensor broadcasts to every rank of a domain."""
+        """Bytes of the whole input and the whole target: what scatter_tensor broadcasts to every rank of a domain
+        (slab loading reads none of it whole)."""
         elsize = torch.empty((), dtype=self.dtype).element_size()
         return (math.prod(self.field_shape) * elsize,
                 math.prod((self.field_shape[0], self.out_channels, *self.field_shape[2:])) * elsize)
 
     def _transient(self) -> int:
+        if self.loading == "slab":
+            return 0  # each rank reads its own rows: nothing whole is in flight
         return max(self.full_fields())  # the larger of the two, in flight during the scatter
 
     def plan(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> Plan:
@@ -244,8 +261,18 @@ class Planner(DomainSearch):
                          "forward)")
         if self.workspace is not None:
             notes.append(f"CPU kernels: {self.workspace.summary()}")
+        if domain > 1:
+            notes.append(self._loading_note())
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
-                    self.optimizer, self.name, time.perf_counter() - t0, notes, levers)
+                    self.optimizer, self.name, time.perf_counter() - t0, notes, levers, self.loading)
+
+    def _loading_note(self) -> str:
+        field_in, field_out = map(fmt_bytes, self.full_fields())
+        if self.loading == "slab":
+            return (f"slab loading: each rank reads only its own rows (ShardTensor.from_local), so neither the "
+                    f"{field_in} input field nor the {field_out} target field is whole on any rank: transient 0")
+        return (f"scatter loading: scatter_tensor sends every rank of a domain group the whole {field_in} input and "
+                f"{field_out} target field (transient); {SLAB_OPTION} reads each rank's rows only")
 
     def largest(self, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", levers: Levers = NO_LEVERS) -> RankBytes:
         """``plan(...).largest()`` without a row for every rank: one rank per distinct shard shape and domain
@@ -263,12 +290,14 @@ class Planner(DomainSearch):
 
 def plan(model, field_shape, *, ddp: int = 1, domain: int = 1, wrapper: str = "ddp", optimizer: str = "adam",
          dtype=torch.float32, shard_dim: int = 2, device: str = "cuda", levers: Levers = NO_LEVERS,
-         threads: int | None = None) -> Plan:
+         threads: int | None = None, loading: str = "scatter") -> Plan:
     """Predicted bytes per rank: ``model`` (any field-to-field module; copied to the meta device) trained on a
     field of ``field_shape`` (batch 1 per domain group), sharded along ``shard_dim`` over ``domain`` ranks, with
     ``wrapper`` ("none", "ddp", "fsdp2") on ``ddp`` replicas, ``optimizer`` and ``levers`` (``sl.train.Levers``),
-    for ``device``'s kernels (CPU: as this CPU runs them with ``threads`` intra-op threads per rank)."""
-    planner = Planner(model, field_shape, dtype, optimizer, shard_dim, device=device, threads=threads)
+    the batch loaded as ``loading`` says ("scatter": ``scatter_tensor``; "slab": each rank reads its own rows), for
+    ``device``'s kernels (CPU: as this CPU runs them with ``threads`` intra-op threads per rank)."""
+    planner = Planner(model, field_shape, dtype, optimizer, shard_dim, device=device, threads=threads,
+                      loading=loading)
     return planner.plan(ddp, domain, wrapper, levers)
 
 
@@ -282,29 +311,66 @@ class Verdict:
     need: int
     headroom: int
     left: int
-    text: str  # "fits with X GiB left" or "does not fit: smallest domain size that fits is N", or why none does
+    # "fits with X GiB left (scatter loading)", "does not fit: smallest domain size that fits is N (slab loading)",
+    # or why no domain size does; each names the loading mode planned
+    text: str
     smallest_domain: int | None = None
+    loading: str = "scatter"
 
 
 def verdict(planner: Planner, result: Plan, capacity: int) -> Verdict:
-    """Does the layout fit on GPUs of ``capacity`` bytes, with the headroom of ``LEFT_OUT`` kept?"""
+    """Does the layout fit on GPUs of ``capacity`` bytes, with the headroom of ``LEFT_OUT`` kept? The text names the
+    loading mode; with scatter loading, where the whole field weighs, it says what slab loading would change."""
+    if result.loading != planner.loading:
+        raise ValueError(f"a plan made with loading={result.loading!r} judged by a planner with "
+                         f"loading={planner.loading!r}: pass planner.with_loading({result.loading!r}).")
+    mode = f"{result.loading} loading"
     big = result.largest()
-    headroom = result.headroom(big.total)
-    left = capacity - big.total - headroom
-    answer = Verdict(left >= 0, capacity, big.rank, big.total, headroom, left, f"fits with {left / GiB:.1f} GiB left")
+    room = result.headroom(big.total)
+    left = capacity - big.total - room
+    answer = Verdict(left >= 0, capacity, big.rank, big.total, room, left,
+                     f"fits with {left / GiB:.1f} GiB left ({mode})", loading=result.loading)
     if answer.fits:
         return answer
     answer.smallest_domain = planner.smallest_domain(capacity, result.ddp, result.wrapper, result.levers)
     if answer.smallest_domain is not None:
-        answer.text = f"does not fit: smallest domain size that fits is {answer.smallest_domain}"
+        whole = _slab_here(planner, result, capacity) if big.transient else ""
+        answer.text = f"does not fit: smallest domain size that fits is {answer.smallest_domain} ({mode}{whole})"
         return answer
     top = planner.largest(result.ddp, planner.max_domain(), result.wrapper, result.levers)
     fixed = top.params + top.grads + top.optimizer + top.buffers
+    answer.text = (f"does not fit at any domain size ({mode}): with {planner.max_domain()} domain ranks a rank still "
+                   f"needs {fmt_bytes(top.total)}, of which ")
+    if result.loading == "slab":
+        answer.text += (f"{fmt_bytes(top.activations)} activations (its rows and their halos) and {fmt_bytes(fixed)} "
+                        "parameters, gradients and optimizer state (checkpointing and bf16 shrink the first, FSDP2 "
+                        "on more ddp ranks divides the second)")
+        return answer
     field_in, field_out = planner.full_fields()
-    answer.text = (f"does not fit at any domain size: with {planner.max_domain()} domain ranks a rank still needs "
-                   f"{fmt_bytes(top.total)}, of which {fmt_bytes(field_in)} is the full input field and "
-                   f"{fmt_bytes(field_out)} the full target field, which scatter_tensor broadcasts whole to every rank "
-                   "and which stay allocated while their slices live, and "
-                   f"{fmt_bytes(fixed)} parameters, gradients and optimizer state (FSDP2 on more ddp ranks divides "
-                   "those)")
+    answer.text += (f"{fmt_bytes(field_in)} is the full input field and {fmt_bytes(field_out)} the full target "
+                    "field, which scatter_tensor broadcasts whole to every rank and which stay allocated while their "
+                    f"slices live, and {fmt_bytes(fixed)} parameters, gradients and optimizer state (FSDP2 on more "
+                    f"ddp ranks divides those). {_slab_instead(planner, result, capacity)}")
     return answer
+
+
+def _slab_here(planner: Planner, result: Plan, capacity: int) -> str:
+    """What slab loading would make of this layout, which scatter loading does not fit."""
+    slab = planner.with_loading("slab")
+    top = slab.largest(result.ddp, result.domain, result.wrapper, result.levers)
+    fits = top.total + headroom(top.total, result.world_size) <= capacity
+    return (f"; with {SLAB_OPTION}, which leaves out the whole fields scatter_tensor sends every rank, a rank needs "
+            f"{fmt_bytes(top.total)}: {'it fits' if fits else 'still too much'}")
+
+
+def _slab_instead(planner: Planner, result: Plan, capacity: int) -> str:
+    """What slab loading would make of a layout that scatter loading cannot fit at any domain size."""
+    slab = planner.with_loading("slab")
+    smallest = slab.smallest_domain(capacity, result.ddp, result.wrapper, result.levers)
+    if smallest is not None:
+        return (f"Slab loading, {SLAB_OPTION}, reads only each rank's rows: with it the smallest domain size that "
+                f"fits is {smallest}")
+    top = slab.largest(result.ddp, slab.max_domain(), result.wrapper, result.levers)
+    kept = headroom(top.total, result.ddp * slab.max_domain())
+    return (f"Slab loading, {SLAB_OPTION}, reads only each rank's rows, but even then a rank needs "
+            f"{fmt_bytes(top.total)} at {slab.max_domain()} domain ranks, and {fmt_bytes(kept)} of headroom")

@@ -82,7 +82,7 @@ class RankBytes:
     optimizer: int
     activations: int
     halos: int  # the part of the activations that are rows beyond the rank's own
-    transient: int
+    transient: int  # scatter loading: the whole field this rank receives; slab loading: 0
     buffers: int
     temporaries: int = 0  # predicted: the rest of the step's peak
     peak: int | None = None  # predicted: the step's peak; measured: the allocator's (CPU: profiler events; GPU: CUDA)
@@ -120,6 +120,7 @@ class Plan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     levers: Levers = NO_LEVERS
+    loading: str = "scatter"  # how each rank got its batch: ``inputs.LOADINGS``
 
     @property
     def world_size(self) -> int:
@@ -162,7 +163,7 @@ class Plan:
     def as_json(self, capacity: int | None = None) -> dict:
         out = {"model": self.model, "field": list(self.field_shape), "dtype": self.dtype,
                "mesh": {"ddp": self.ddp, "domain": self.domain}, "wrapper": self.wrapper, "optimizer": self.optimizer,
-               "levers": self.levers.label,
+               "levers": self.levers.label, "loading": self.loading,
                "rows": [r.as_dict() for r in self.rows], "left_out": [dict(item) for item in LEFT_OUT],
                "notes": list(self.notes)}
         if capacity is not None:

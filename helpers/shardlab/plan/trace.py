@@ -1,8 +1,9 @@
 """Tracing on the meta device: one rank's training step replayed on shapes alone.
 
 ``trace_rank`` runs ``sl.train.training_step`` itself (the step ``Trainer.step`` takes) on a meta copy of the model,
-and watches it from outside, through what it hands the step: the batch (the scatter), the model (a wrapper that
-counts what the forward saves and shards its convolutions) and the optimizer (``_Replay``).
+and watches it from outside, through what it hands the step: the batch (the scatter, or the rank's own slab of
+rows), the model (a wrapper that counts what the forward saves and shards its convolutions) and the optimizer
+(``_Replay``).
 """
 
 from __future__ import annotations
@@ -281,10 +282,11 @@ class _ReplayedModel(torch.nn.Module):
 
 
 def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
-               workspace=None, levers: Levers = NO_LEVERS) -> Trace:
-    """One rank's training step (``sl.train.training_step``) on the meta device: the scatter, then the forward with
-    its saved tensors recorded and its convolutions sharded, the loss and the backward, live bytes tracked (with the
-    kernels' ``workspace``, as ``LiveBytes`` takes it).
+               workspace=None, levers: Levers = NO_LEVERS, loading: str = "scatter") -> Trace:
+    """One rank's training step (``sl.train.training_step``) on the meta device: the batch as ``loading`` makes it
+    (``"scatter"``: the whole fields, then this rank's slice; ``"slab"``: only this rank's rows, in storage of their
+    own), then the forward with its saved tensors recorded and its convolutions sharded, the loss and the backward,
+    live bytes tracked (with the kernels' ``workspace``, as ``LiveBytes`` takes it).
 
     ``model`` is already as ``levers`` make it (checkpointed; in ``param_dtype``, whose input cast is added here);
     autocast runs as ``MetaAutocast`` (the meta device has no ``torch.autocast``), in the forward and the loss, and
@@ -307,6 +309,10 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
             fields.append(full.narrow(dim, start, stop - start).contiguous() if domain > 1 else full)
         return fields
 
+    def slab():  # read from storage: this rank's rows only, a fresh tensor that ShardTensor.from_local wraps
+        return [torch.empty((*shape[:dim], stop - start, *shape[dim + 1:]), dtype=dtype, device="meta")
+                for shape in (field_shape, target_shape)]
+
     def sharded():
         if domain == 1:
             return contextlib.nullcontext()
@@ -316,7 +322,7 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
         replay = _Replay(live, levers, saved, sharded)
         try:
             # The levers are the replay's own: the model is as they make it, autocast is MetaAutocast.
-            loss = training_step(_ReplayedModel(model, replay), replay, scatter)
+            loss = training_step(_ReplayedModel(model, replay), replay, slab if loading == "slab" else scatter)
         finally:
             replay.finish()
         after = live.live  # what sits under the optimizer step
