@@ -6,9 +6,9 @@ Introduced in ``notebooks/02_device_mesh.ipynb``.
 """
 
 from ._base import rank_colour
-from .layout import halo_rows, rank_grid, shard_map
+from .layout import halo_rows, rank_grid, shard_map, tile_map
 from .memory import memory_bars, predicted_vs_measured, ratio_curve
 from .training import training_dashboard
 
-__all__ = ["rank_colour", "rank_grid", "shard_map", "halo_rows", "memory_bars", "predicted_vs_measured",
+__all__ = ["rank_colour", "rank_grid", "shard_map", "halo_rows", "tile_map", "memory_bars", "predicted_vs_measured",
            "ratio_curve", "training_dashboard"]

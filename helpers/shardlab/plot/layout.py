@@ -1,4 +1,5 @@
-"""The mesh as a grid of ranks, a field's shards, and the halo rows a convolution exchanges."""
+"""The mesh as a grid of ranks, a field's shards, the halo rows a convolution exchanges, and a field tiled over
+two domain axes with its halo strips."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from ..mesh import halo_plan, shard_bounds
+from ..mesh import halo_bytes_tile, halo_plan, shard_bounds, tile_bounds
 from ._base import _LABEL_BOX, _figure_and_axes, _group_colour, _new_figure, rank_colour
 
 _GROUP_MEANING = {
@@ -173,3 +174,64 @@ def halo_rows(height, n_ranks, kernel_sizes=(3, 5), ax=None):
         axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
     return fig
 
+
+
+def _tile_halo_pieces(tile, by_coords, halo):
+    """(gid, sender, (x, y, w, h) in field coordinates) of the halo a tile receives: k//2 rows from its H
+    neighbours, then k//2 columns of its W neighbours' H-padded tiles, whose ends (the corners) hold the diagonal
+    rank's values, or the zero padding at the field's edge (not drawn)."""
+    (i, j), (r0, r1), (c0, c1) = tile["coords"], tile["rows"], tile["cols"]
+    rank, pieces = tile["rank"], []
+    for di, y in ((-1, r0 - halo), (1, r1)):
+        if (i + di, j) in by_coords:
+            pieces.append((f"halo {rank}<-{by_coords[i + di, j]}", by_coords[i + di, j], (c0, y, c1 - c0, halo)))
+    for dj, x in ((-1, c0 - halo), (1, c1)):
+        if (i, j + dj) not in by_coords:
+            continue
+        via = by_coords[i, j + dj]
+        pieces.append((f"halo {rank}<-{via}", via, (x, r0, halo, r1 - r0)))
+        for di, y in ((-1, r0 - halo), (1, r1)):
+            if (i + di, j + dj) in by_coords:
+                sender = by_coords[i + di, j + dj]
+                pieces.append((f"corner {rank}<-{sender} via {via}", sender, (x, y, halo, halo)))
+    return pieces
+
+
+def tile_map(height, width, tiles, kernel_size=3, ax=None):
+    """The field tiled ``tiles`` = (along H, along W), the tiles drawn apart: each rank's tile in its colour, and
+    around it the halo strips it receives for one convolution, hatched in the colour of the rank they come from."""
+    bounds = tile_bounds(height, width, tiles)
+    sends = halo_bytes_tile(height, width, 1, tiles, kernel_size, 1)  # also refuses tiles thinner than the halo
+    halo = kernel_size // 2
+    gap = max(2 * halo + 1, round(0.08 * max(height, width)))
+    by_coords = {tile["coords"]: tile["rank"] for tile in bounds}
+    fig, ax = _figure_and_axes(ax, (min(2.2 * tiles[1] + 2.5, 12.0), min(2.2 * tiles[0] + 1.8, 9.0)))
+    for tile, sent in zip(bounds, sends):
+        (i, j), (r0, r1), (c0, c1) = tile["coords"], tile["rows"], tile["cols"]
+        dx, dy = j * gap, i * gap  # drawn apart: the halo strips sit in the gaps
+        colour = rank_colour(tile["rank"])
+        ax.add_patch(Rectangle((c0 + dx, r0 + dy), c1 - c0, r1 - r0, facecolor=(*colour[:3], 0.35), edgecolor=colour,
+                               linewidth=2, gid=f"rank {tile['rank']}"))
+        ax.text((c0 + c1) / 2 + dx, (r0 + r1) / 2 + dy, f"rank {tile['rank']} ({i}, {j})\n{r1 - r0}×{c1 - c0}\n"
+                f"sends {sent} values/channel", ha="center", va="center", fontsize=8, bbox=_LABEL_BOX)
+        for gid, sender, (x, y, w, h) in _tile_halo_pieces(tile, by_coords, halo):
+            tint = rank_colour(sender)
+            ax.add_patch(Rectangle((x + dx, y + dy), w, h, facecolor=(*tint[:3], 0.3), edgecolor=tint, hatch="////",
+                                   linewidth=0.8, gid=gid))
+    ax.set_xlim(-gap, width + tiles[1] * gap)
+    ax.set_ylim(height + tiles[0] * gap, -gap)  # row 0 at the top, as the tensor is printed
+    ax.set_aspect("equal" if 0.25 <= height / width <= 4 else "auto")
+    # Ticks at the tiles' edges, labelled with the field's own indices: the gaps are not rows or columns.
+    for axis, key, index in ((ax.xaxis, "cols", 1), (ax.yaxis, "rows", 0)):
+        edges = {(tile[key][0] + tile["coords"][index] * gap): tile[key][0] for tile in bounds}
+        edges |= {(tile[key][1] + tile["coords"][index] * gap): tile[key][1] for tile in bounds}
+        axis.set_ticks(sorted(edges), [str(edges[at]) for at in sorted(edges)], fontsize=8)
+    ax.set_xlabel("W (columns; tiles drawn apart)")
+    ax.set_ylabel("H (rows)")
+    ax.set_title(f"{height}×{width} field tiled {tiles[0]}×{tiles[1]}, {kernel_size}×{kernel_size} kernel: {halo} "
+                 f"halo row{'' if halo == 1 else 's'}/column{'' if halo == 1 else 's'} per side", fontsize=10)
+    handles = [Patch(facecolor="0.6", edgecolor="black", label="tile the rank owns"),
+               Patch(facecolor="0.9", edgecolor="0.3", hatch="////",
+                     label="halo received (sender's colour; corners come via the W neighbour)")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=1, fontsize=8, frameon=False)
+    return fig
