@@ -20,7 +20,8 @@ import, including those inside functions, against this list.
 3. ``mesh``, ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
    ``init_rank``, what every engine runs first)
 4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
-5. ``measure`` (also ``python -m shardlab.measure``), ``plot``
+5. ``measure`` (also ``python -m shardlab.measure``), ``plot``, ``checkpoints`` (a training run's state written
+   in parts and loaded into another layout)
 6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``)
 7. ``exercises``: one module of judges per notebook
 8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.agenda``
@@ -39,7 +40,7 @@ LAYERS = (
     ("ranks.launch", "ranks.engines"),
     ("mesh", "data", "models", "levers", "ranks.warm"),
     ("train", "ranks.bringup"),
-    ("measure", "plot"),
+    ("measure", "plot", "checkpoints"),
     ("ranks.cluster", "check", "plan"),
     ("exercises",),
     ("tools.smoke", "tools.bench", "tools.handout", "tools.agenda"),
