@@ -52,14 +52,22 @@ def test_ideal_ratio_is_one_over_n_plus_halo(n, expected):
 
 
 @pytest.mark.multirank
-def test_measurement_script_on_four_ranks_one_job_for_both_tables(tmp_path, no_leftovers):
-    """Activation bytes follow 1/N + halo; FSDP2's state bytes follow 1/ddp (bytes are exact: no timing asserted)."""
+def test_measurement_script_on_four_ranks_one_job_for_three_tables(tmp_path, no_leftovers):
+    """Activation bytes follow 1/N + halo; FSDP2's state bytes follow 1/ddp; slab loading holds 1/N of the fields
+    where scatter_tensor holds them whole (bytes are exact: no timing asserted)."""
     out = tmp_path / "tables.json"
     placed = MEASURE.ranks().or_skip()  # CPU ranks on any machine: the CLI places its own, so it sees no GPU
-    proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "state-memory", "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, env=os.environ | placed.env)
+    env = os.environ | placed.env | {"TMPDIR": str(tmp_path)}  # where the store is written: this test's own folder
+    proc = subprocess.run([sys.executable, "-m", "shardlab.measure", "activation-memory", "state-memory",
+                           "loading-memory", "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ratio/ideal") == 2  # the table headers other runs are compared against
+    loading = {(r["N"], r["loading"]): r for r in json.loads(out.read_text())["loading-memory"]["rows"]}
+    for n in (2, 4):  # exact: storage held; the 1-channel scattered shard keeps the whole broadcast fields
+        assert loading[(n, "slab")]["held/(fields/N)"] == 1.0 and loading[(n, "scatter_tensor")]["held/(fields/N)"] == n
+        if loading[(n, "slab")]["host_peak_max_rank"] is not None:  # Linux: the kernel's counters
+            assert loading[(n, "slab")]["host_peak_max_rank"] < loading[(n, "scatter_tensor")]["host_peak_max_rank"]
+            assert loading[(n, "slab")]["file_bytes_max_rank"] < loading[(n, "scatter_tensor")]["file_bytes_max_rank"]
     tables = json.loads(out.read_text())
     assert {table["device"].split(":")[0] for table in tables.values()} == {placed.device}
     activation = {r["N"]: r for r in tables["activation-memory"]["rows"]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data import load_darcy
+from ..data import field_store, load_darcy, open_store
 from ..mesh import build_mesh
 from ..models import conv_stack
 from ..ranks.launch import (
@@ -33,6 +33,7 @@ from . import (
     state_bytes,
     synchronize,
 )
+from .host import LOADERS, measure_loading
 
 
 def _gather_rows(rows: dict) -> list[dict]:
@@ -94,6 +95,33 @@ def state_memory_table(args) -> dict:
             "rows": rows}
 
 
+def loading_memory_table(args) -> dict:
+    """One sample's input and target loaded as ShardTensors by ``scatter_tensor`` and by slab (lesson 12), for each
+    domain size: the largest rank's file bytes, host peak and bytes held after, against 1/N of the two fields."""
+    state = init_distributed(args.timeout)
+    store = [str(field_store(big=args.big)) if state.rank == 0 else None]  # written once (or found), read by all
+    dist.broadcast_object_list(store, src=0)
+    array = open_store(store[0]).field("permeability")
+    fields = 2 * array.shape[2] * array.shape[3] * array.dtype.itemsize
+    rows = []
+    for n in args.sizes:
+        everyone = _gather_rows(measure_loading(store[0], build_mesh(ddp=-1, domain=n)))
+        for way in LOADERS:
+            ranks = [r[way] for r in everyone]
+            top = {k: max(r[k] for r in ranks) if all(r[k] is not None for r in ranks) else None
+                   for k in ("file bytes", "host peak", "held after", "device peak")}
+            rows.append({"N": n, "loading": way, "fields/N": fields // n, "held_after_max_rank": top["held after"],
+                         "held/(fields/N)": top["held after"] * n / fields, "host_peak_max_rank": top["host peak"],
+                         "file_bytes_max_rank": top["file bytes"]})
+            if top["device peak"] is not None:  # a GPU: the allocator's peak during the load
+                rows[-1]["cuda_peak_above_start_max_rank"] = top["device peak"]
+    return {"title": f"loading one sample's input and target ({array.shape[2]}x{array.shape[3]} float32 each, "
+                     f"{fields} B together) as ShardTensors: scatter_tensor against every rank reading its slab; "
+                     "host peak: the rank's resident memory above its start (VmHWM)",
+            "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "rows": rows}
+
+
 def compile_speed_table(args) -> dict:
     """One process: compiled / eager forward+backward step time of a conv stack, interleaved repeats."""
     device = default_device()
@@ -151,6 +179,7 @@ def tf32_error_table(args) -> dict:
 TABLES = {
     "activation-memory": (activation_memory_table, 4, {"sizes": [1, 2, 4], "width": 16, "layers": 3}),
     "state-memory": (state_memory_table, 4, {"sizes": [1, 2, 4], "width": 64, "layers": 4}),
+    "loading-memory": (loading_memory_table, 4, {"sizes": [2, 4]}),
     "compile-speed": (compile_speed_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
     "tf32-error": (tf32_error_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
 }
@@ -180,6 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--kernel-size", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9, help="compile-speed: timed steps of each kind")
+    parser.add_argument("--big", action="store_true", help="loading-memory: the 4096² store instead of the small one")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--json", help="also write the table (several: {name: table}) as JSON to this file")
     args = parser.parse_args(argv)
@@ -192,6 +222,7 @@ def main(argv=None) -> int:
         # Not under a launcher: start the ranks the tables need, with the same options, in one job.
         options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("width", "layers", "kernel_size", "timeout") and v is not None]
+        options += ["--big"] if args.big else []
         options += ["--sizes", *map(str, args.sizes)] if args.sizes else []
         ranks = job_ranks(on_ranks, args.sizes)
         try:
