@@ -93,7 +93,7 @@ class Need:
 
 SMOKE = Need("multirank/test_smoke.py", "test_distributed_checks_pass_on_every_rank", (4,), cpu=True,
              about="the smoke CLI's checks on OpenMPI CPU ranks (gloo); on CUDA ranks: make gpu-check")
-MEASURE = Need("multirank/test_measure.py", "test_measurement_script_on_four_ranks_one_job_for_both_tables", (4,),
+MEASURE = Need("multirank/test_measure.py", "test_measurement_script_on_four_ranks_one_job_for_three_tables", (4,),
                cpu=True, about="byte ratios measured on CPU ranks; the CUDA tables: make gpu-check")
 PLANNER = Need("multirank/test_plan.py", "test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators",
                (4,), cpu=True, about="the planner's CPU-specific predictions against CPU allocators and gloo")
