@@ -12,8 +12,8 @@ Layers, lowest first. A module imports only from layers below its own; ``tests/u
 import, including those inside functions, against this list.
 
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
-   ``gpu_record``: the committed GPU record, read
-1. ``workarounds``, ``report``, ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
+   ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place)
+1. ``report``, ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
    engine launcher per way of starting the engines behind ``%%px``)
@@ -35,8 +35,8 @@ notebook kernel does not import PhysicsNeMo until it asks for something that nee
 import importlib
 
 LAYERS = (
-    ("ranks.devices", "gpu_record"),
-    ("workarounds", "report", "ranks.procs", "ranks.programs", "ranks.px"),
+    ("ranks.devices", "gpu_record", "workarounds"),
+    ("report", "ranks.procs", "ranks.programs", "ranks.px"),
     ("ranks.launch", "ranks.engines"),
     ("mesh", "data", "models", "levers", "ranks.warm"),
     ("train", "ranks.bringup"),

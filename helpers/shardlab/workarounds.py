@@ -1,4 +1,4 @@
-"""Every workaround for an upstream PhysicsNeMo behaviour lives here, and only here.
+"""Every workaround for an upstream behaviour (PhysicsNeMo, torch, psutil) lives here, and only here.
 
 Each one names what it works around; ``tests/unit/test_workarounds.py`` fails as soon as
 upstream no longer needs it, so it can be deleted. torch and PhysicsNeMo are imported inside
@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from datetime import timedelta
+
+import psutil
 
 
 @contextlib.contextmanager
@@ -274,6 +277,26 @@ def recompute_with_shard_tensor_handlers():
     import contextlib
 
     return contextlib.nullcontext(), _ShardTensorHandlersOn()
+
+
+def process_started(pid: int) -> float:
+    """When process ``pid`` started: with the pid, what tells it from a later process that reuses the pid.
+
+    Upstream: psutil issues #2526 and #2541 (by design since psutil 7.0). On Linux, ``Process.create_time()`` adds
+    the boot time, which ``/proc/stat`` recomputes from the wall clock at every read: once NTP slews the clock across
+    a whole second, creation times read after move by one. A live cluster then looks like recycled pids: another
+    start stops it as stale, and ``stop`` leaves it running. Linux: the start in clock ticks from ``/proc/<pid>/stat``,
+    which no clock change moves; elsewhere, psutil's creation time.
+    """
+    if not sys.platform.startswith("linux"):
+        return psutil.Process(pid).create_time()
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    after_name = stat[stat.rindex(b")") + 2:].split()  # the name, in parentheses, may hold spaces
+    return int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: clock ticks after boot
 
 
 # -- where a Slurm step's ranks meet ----------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 
@@ -194,10 +193,10 @@ def pool(tmp_path, monkeypatch):
 
 def _park_marker(pool, cluster_id: str, shape: dict) -> None:
     """A parked cluster as ``warm.park`` leaves it, parked by another kernel, with a live keeper (this process)."""
-    me, parent = psutil.Process(), psutil.Process().parent()
-    procs.Record(cluster_id, me.pid, me.create_time(), profile_dir="", folder=str(pool.folder)).save()
-    warm.Parked(str(pool.folder / f"{cluster_id}{warm.PARKED}"), cluster_id, shape,
-                [parent.pid, parent.create_time()], time.time() + 60, [me.pid, me.create_time()]).save()
+    me, parent = list(procs.identity()), list(procs.identity(os.getppid()))
+    procs.Record(cluster_id, *me, profile_dir="", folder=str(pool.folder)).save()
+    warm.Parked(str(pool.folder / f"{cluster_id}{warm.PARKED}"), cluster_id, shape, parent, time.time() + 60,
+                me).save()
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def sleeper():
 
 def _record(sleeper, owner_pid, owner_created, profile_dir) -> procs.Record:
     record = procs.Record("shardlab-test", owner_pid, owner_created, str(profile_dir),
-                          [(sleeper.pid, psutil.Process(sleeper.pid).create_time())])
+                          [procs.identity(sleeper.pid)])
     record.save()
     return record
 
@@ -81,8 +81,7 @@ def test_cluster_of_a_dead_kernel_is_stopped_and_its_profile_removed(registry, s
 
 
 def test_cluster_of_a_live_kernel_is_left_alone(registry, sleeper, tmp_path):
-    me = psutil.Process()
-    record = _record(sleeper, me.pid, me.create_time(), tmp_path)
+    record = _record(sleeper, *procs.identity(), tmp_path)
     assert procs.clean_stale_clusters() == 0
     assert sleeper.poll() is None and record.path.exists()  # what it stops has exited by the time it returns
 
@@ -103,7 +102,7 @@ def test_a_record_naming_someone_elses_folder_deletes_nothing(registry, tmp_path
 
 def test_a_record_with_a_recycled_pid_kills_nothing(registry, sleeper):
     record = procs.Record("shardlab-test", *_dead_owner(), "/nonexistent",
-                          [(sleeper.pid, psutil.Process(sleeper.pid).create_time() - 100)])  # same pid, other process
+                          [(sleeper.pid, procs.identity(sleeper.pid)[1] - 100)])  # same pid, other process
     record.save()
     procs.clean_stale_clusters()  # returns once whatever it stopped has exited
     assert sleeper.poll() is None
@@ -284,7 +283,7 @@ def test_a_second_user_sees_none_of_our_processes_and_stops_nothing(shared_tmp, 
     ours = subprocess.Popen(SLEEP, env=os.environ | procs.marked_environment())
     profile = Path(procs.make_profile_dir("shardlab-mine"))
     try:
-        created = psutil.Process(ours.pid).create_time()
+        created = procs.identity(ours.pid)[1]
         out = as_nobody(f"""
 import json
 from shardlab.ranks import procs

@@ -10,7 +10,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import shardlab as sl
@@ -35,13 +34,11 @@ def _parked(pool, cluster_id, parked_by, keeper, deadline_s=60.0, shape=SHAPE):
 
 
 def _me():
-    me = psutil.Process()
-    return [me.pid, me.create_time()]
+    return list(procs.identity())
 
 
 def _other_kernel():
-    parent = psutil.Process().parent()
-    return [parent.pid, parent.create_time()]
+    return list(procs.identity(os.getppid()))
 
 
 def test_a_cluster_parked_by_another_kernel_of_the_pool_is_claimed_once(pool):

@@ -285,3 +285,34 @@ def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allo
     assert -64 * 2**20 in seen["reported"], (
         "torch's profiler no longer reports the free of a block it never saw allocated: delete "
         "workarounds.cpu_allocator_changes (and this test) and read the '[memory]' events directly")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the boot time is read from /proc/stat on Linux")
+def test_psutil_creation_times_still_move_with_the_wall_clock(monkeypatch):
+    """psutil #2526/#2541: a creation time read after the wall clock crossed a second differs from one read before."""
+    import psutil
+    from psutil import _pslinux
+
+    before, boot_time = psutil.Process().create_time(), _pslinux.boot_time
+    monkeypatch.setattr(_pslinux, "boot_time", lambda: boot_time() + 1.0)  # NTP moved the clock by 1 s
+    assert psutil.Process().create_time() != before, (
+        "psutil's creation time no longer follows the wall clock (psutil #2526): delete process_started from "
+        "shardlab/workarounds.py and use Process.create_time() in shardlab.ranks.procs")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the boot time is read from /proc/stat on Linux")
+def test_a_running_process_is_still_itself_after_the_wall_clock_moved(monkeypatch):
+    from psutil import _pslinux
+
+    from shardlab.ranks import procs
+
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
+        try:
+            recorded = [procs.identity(), procs.identity(child.pid)]
+            boot_time = _pslinux.boot_time
+            monkeypatch.setattr(_pslinux, "boot_time", lambda: boot_time() + 1.0)
+            assert procs.same_process(*recorded[0]) is not None
+            assert [p.pid for p in procs.alive(recorded)] == [os.getpid(), child.pid]
+            assert procs.same_process(child.pid, recorded[1][1] - 1.0) is None  # a later process with the pid
+        finally:
+            child.kill()

@@ -108,7 +108,7 @@ class EngineLauncher:
     def exited(self) -> bool:
         """Whether the launcher stopped before its engines registered (then they never will)."""
         return any(getattr(es, "process", None) is not None
-                   and not procs.alive([(es.process.pid, es.process.create_time())]) for es in self.engine_sets)
+                   and not procs.running(es.process.pid) for es in self.engine_sets)
 
     def processes(self) -> list[tuple[int, float]]:
         """(pid, creation time) of the launcher's processes on this node and their children."""

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from ..workarounds import process_started
+
 ORIGIN = "SHARDLAB_ORIGIN"
 
 
@@ -92,12 +94,19 @@ def registry() -> Path:
     return path
 
 
+def identity(pid: int | None = None) -> tuple[int, float]:
+    """(pid, start time) of a process, default this one: a pid alone may name a later process. The start time is
+    ``workarounds.process_started``'s, which a change of the wall clock does not move."""
+    pid = os.getpid() if pid is None else pid
+    return pid, process_started(pid)
+
+
 def same_process(pid: int, created: float) -> psutil.Process | None:
     """The process recorded as (pid, creation time) if it still runs and is this user's; None otherwise
     (a recycled pid is not the process we recorded)."""
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - created) > 1e-3 or proc.uids().real != user_id():
+        if abs(process_started(pid) - created) > 1e-3 or proc.uids().real != user_id():
             return None
         return proc
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -114,10 +123,18 @@ def process_tree(pid: int) -> list[tuple[int, float]]:
     out = []
     for p in procs:
         try:
-            out.append((p.pid, p.create_time()))
+            out.append(identity(p.pid))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs now, a zombie that only waits to be reaped excluded."""
+    try:
+        return bool(alive([identity(pid)]))
+    except psutil.NoSuchProcess:
+        return False
 
 
 def alive(processes: list[tuple[int, float]]) -> list[psutil.Process]:
@@ -208,9 +225,9 @@ def start_detached(cmd: list[str], env: dict[str, str]) -> tuple[int, float]:
     exits as soon as another kernel claims the cluster, and the kernel that parked it may run for hours)."""
     child = subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    created = psutil.Process(child.pid).create_time()  # before the wait: until reaped, the pid stays this child's
+    started = identity(child.pid)  # before the wait: until reaped, the pid stays this child's
     threading.Thread(target=child.wait, name=f"reap(pid={child.pid})", daemon=True).start()
-    return child.pid, created
+    return started
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -316,8 +333,7 @@ class Record:
 
     @classmethod
     def for_this_kernel(cls, cluster_id: str, profile_dir: str, job_name: str = "", folder: str = "") -> Record:
-        me = psutil.Process()
-        return cls(cluster_id, me.pid, me.create_time(), profile_dir, job_name=job_name, folder=folder)
+        return cls(cluster_id, *identity(), profile_dir, job_name=job_name, folder=folder)
 
     @property
     def path(self) -> Path:

@@ -149,12 +149,12 @@ def claim(pool: Pool, shape: dict) -> procs.Record | None:
     """A parked cluster of ``shape`` that another kernel parked, taken out of the pool, with this kernel as its
     owner; None if there is none. Expired or orphaned parked clusters are stopped on the way."""
     pool.clean_up()
-    me = psutil.Process()
+    me = list(procs.identity())
     for parked in pool.parked():
-        if parked.shape != shape or parked.parked_by == [me.pid, me.create_time()]:
+        if parked.shape != shape or parked.parked_by == me:
             continue
         if (record := parked.claim()) is not None:
-            record.owner_pid, record.owner_created = me.pid, me.create_time()
+            record.owner_pid, record.owner_created = me
             record.save()
             return record
     return None
@@ -163,7 +163,7 @@ def claim(pool: Pool, shape: dict) -> procs.Record | None:
 def evict_own(pool: Pool, shape: dict) -> None:
     """Stop the parked clusters of ``shape`` that this kernel parked: a fresh start of the same shape from it means
     their ranks will not be used again."""
-    me = [os.getpid(), psutil.Process().create_time()]
+    me = list(procs.identity())
     for parked in pool.parked():
         if parked.shape == shape and parked.parked_by == me and (record := parked.claim()) is not None:
             record.clean_up(grace_s=1.0)
@@ -174,9 +174,8 @@ def park(pool: Pool, record: procs.Record, shape: dict) -> None:
     for older in pool.parked():
         if (claimed := older.claim()) is not None:
             claimed.clean_up(grace_s=1.0)
-    me = psutil.Process()
     parked = Parked(str(pool.folder / f"{record.cluster_id}{PARKED}"), record.cluster_id, shape,
-                    [me.pid, me.create_time()], time.time() + pool.idle_s, [])
+                    list(procs.identity()), time.time() + pool.idle_s, [])
     parked.save()
     keeper_id = list(procs.start_detached([sys.executable, "-m", "shardlab.ranks.warm", "keep", parked.path],
                                           os.environ | pool.marked_environment()))
