@@ -108,6 +108,21 @@ def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
         bringup.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
 
 
+def test_the_start_waits_longer_for_ranks_that_share_a_core(monkeypatch):
+    """Ranks sharing a core run and import PyTorch by turns: both waits of a start (for the first answer, for the
+    initialisation) grow with the ranks per core, never below the start timeout given."""
+    cores, waits = usable_cores(), {}
+
+    def wait_for(result, ids, timeout_s, what, hint=None):
+        waits.setdefault(len(ids), set()).add(timeout_s)
+        return result.get() if what == "report its launcher rank" else [{"rank": r} for r in ids]
+
+    monkeypatch.setattr(bringup, "wait_for", wait_for)
+    for ranks in (1, cores, 2 * cores, 4 * cores):
+        bringup.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 100.0)
+    assert waits == {1: {100.0}, cores: {100.0}, 2 * cores: {200.0}, 4 * cores: {400.0}}
+
+
 def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert "CUDA_VISIBLE_DEVICES" not in engines.engine_environment("cuda")  # inherited: engines use GPUs 4-7

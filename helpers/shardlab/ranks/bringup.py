@@ -48,19 +48,23 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
     """On every engine of ``view``: check that its id is its launcher rank, then initialise DistributedManager
     with rank 0 on loopback at a free port; every rank's state, in rank order. ``reset``: the engines are a parked
     cluster's, reset first (``warm.reset_rank``) with this environment of the claiming kernel."""
-    infos = wait_for(view.apply_async(launch.detect_launch), ids, 30, "report its launcher rank")
-    check_engine_ids(ids, [info.rank for info in infos])
+    # Ranks that share a core run by turns: on a busy machine engines answer late, and below every rank imports torch,
+    # PhysicsNeMo and Warp, so both waits grow with the ranks per core (a flat 120 s was outlasted by 8 ranks on 2
+    # cores busy with another job; a flat 30 s by 2 ranks starting beside four other clusters). Running out of time
+    # here is a slow start, not a collective some rank never joined.
     cores = usable_cores()
+    wait_s = max(start_timeout_s * max(1.0, len(ids) / cores), timeout_s + 60)
+    slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
+            "this oversubscribed can outlast the wait. Start fewer ranks, or pass a longer start_timeout_s."
+            if len(ids) > cores else None)
+    infos = wait_for(view.apply_async(launch.detect_launch), ids, wait_s, "report its launcher rank",
+                     slow or "They registered, then ran nothing: is the machine busy? Pass a longer start_timeout_s.")
+    check_engine_ids(ids, [info.rank for info in infos])
     threads = threads_per_rank(len(ids))  # intra-op threads and compile workers of ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
               else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
-    # Importing torch + PhysicsNeMo + Warp on every rank of a busy, oversubscribed machine is slow: a start that
-    # runs out of time there is a slow start, not a collective some rank never joined.
-    slow = (f"{len(ids)} ranks share {cores} CPU core(s) here, and each imports PyTorch and PhysicsNeMo: a start "
-            "this oversubscribed can outlast the wait. Start fewer ranks, or pass a longer start_timeout_s."
-            if len(ids) > cores else None)
-    states = wait_for(result, ids, max(start_timeout_s, timeout_s + 60), "initialise DistributedManager", slow)
+    states = wait_for(result, ids, wait_s, "initialise DistributedManager", slow)
     return sorted(states, key=lambda state: state["rank"])
 
 

@@ -98,8 +98,10 @@ class MPICluster:
         files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
         engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
         Unset, each is read from its environment variable (module docstring), then the defaults.
-        ``keep_warm``: in a pool of warm clusters (``$SHARDLAB_WARM_POOL``, see ``warm``), ``start()`` claims a
-        parked cluster of this shape and resets it, and ``stop()`` parks it; mpiexec engines only."""
+        ``start_timeout_s``: how long the engines may take to register, and to initialise per CPU core's share of
+        ranks (8 ranks on 2 cores wait 4 times as long). ``keep_warm``: in a pool of warm clusters
+        (``$SHARDLAB_WARM_POOL``, see ``warm``), ``start()`` claims a parked cluster of this shape and resets it, and
+        ``stop()`` parks it; mpiexec engines only."""
         self.engines = choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
         self.mpi = choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
         self.slurm_args = list(slurm_args)
