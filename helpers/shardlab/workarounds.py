@@ -293,8 +293,8 @@ def process_started(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
-        raise psutil.NoSuchProcess(pid) from None
+    except OSError as error:  # gone, or hidden from this user (/proc mounted with hidepid)
+        raise (psutil.AccessDenied if isinstance(error, PermissionError) else psutil.NoSuchProcess)(pid) from None
     after_name = stat[stat.rindex(b")") + 2:].split()  # the name, in parentheses, may hold spaces
     return int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: clock ticks after boot
 
