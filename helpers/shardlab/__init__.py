@@ -16,8 +16,9 @@ import, including those inside functions, against this list.
 1. ``report``, ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
-   engine launcher per way of starting the engines behind ``%%px``)
-3. ``mesh``, ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
+   engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
+   ``scatter_tensor`` splits rows, which ``data`` reads slabs by)
+3. ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
    ``init_rank``, what every engine runs first)
 4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
 5. ``measure`` (also ``python -m shardlab.measure``), ``plot``, ``checkpoints`` (a training run's state written
@@ -37,8 +38,8 @@ import importlib
 LAYERS = (
     ("ranks.devices", "gpu_record", "workarounds"),
     ("report", "ranks.procs", "ranks.programs", "ranks.px"),
-    ("ranks.launch", "ranks.engines"),
-    ("mesh", "data", "models", "levers", "ranks.warm"),
+    ("ranks.launch", "ranks.engines", "mesh"),
+    ("data", "models", "levers", "ranks.warm"),
     ("train", "ranks.bringup"),
     ("measure", "plot", "checkpoints"),
     ("ranks.cluster", "check", "plan"),

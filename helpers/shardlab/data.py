@@ -32,6 +32,8 @@ import torch
 import zarr
 from zarr.storage import LocalStore, WrapperStore
 
+from .mesh import shard_bounds
+
 DARCY_FILE = "darcy2d.npz"
 FIELDS = ("permeability", "pressure")
 HELD_OUT = 32  # the first samples of the file
@@ -254,11 +256,8 @@ class Slab(NamedTuple):
     bytes_read: int
 
 
-def chunk_bounds(extent: int, n_ranks: int) -> list[tuple[int, int]]:
-    """[start, stop) per rank as ``torch.chunk`` splits, as ``scatter_tensor`` does (``sl.mesh.shard_bounds``, which
-    this layer may not import): ceil(extent / n) each until the rows run out."""
-    size = -(-extent // n_ranks)
-    return [(min(r * size, extent), min((r + 1) * size, extent)) for r in range(n_ranks)]
+def _torch_dtype(array) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype  # numpy's dtype, as torch names it
 
 
 def _check_bounds(bounds, extent: int, n_ranks: int, axis: str) -> list[tuple[int, int]]:
@@ -283,7 +282,7 @@ def read_range(store, sample: int, start: int, stop: int, *, field: str = "perme
     array = store.field(field)
     shape = [1, *array.shape[1:]]
     shape[dim] = stop - start
-    out = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype, device=device)
+    out = torch.empty(shape, dtype=_torch_dtype(array), device=device)
     first, last, offset = (start, stop, start) if dim == 2 else (0, array.shape[2], 0)  # the rows to read
     columns, step = (slice(None) if dim == 2 else slice(start, stop)), array.chunks[2]
     before = store.bytes_read
@@ -306,7 +305,7 @@ def read_slab(store, sample: int, mesh, *, field: str = "permeability", dim: int
     store = open_store(store)
     array = store.field(field)
     one = (1, *array.shape[1:])
-    dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+    dtype = _torch_dtype(array)
     if expect_shape is not None and tuple(expect_shape) != one:
         raise StoreError(f"{store.path} holds {field} samples of shape {one}, not {tuple(expect_shape)}: write a store "
                          f"of that size ({STORE_COMMAND} --out PATH), or expect {one}.")
@@ -324,7 +323,7 @@ def read_slab(store, sample: int, mesh, *, field: str = "permeability", dim: int
         if n > extent:
             raise StoreError(f"{n} domain ranks for {extent} {axis}: some ranks would hold nothing. Use at most "
                              f"{extent} domain ranks, or a larger field.")
-        bounds = chunk_bounds(extent, n)
+        bounds = [(start, stop) for _, start, stop in shard_bounds(extent, n)]
     bounds = _check_bounds(bounds, extent, n, axis)
     start, stop = bounds[domain.get_local_rank()]
     local, read = read_range(store, sample, start, stop, field=field, dim=dim, device=DistributedManager().device)

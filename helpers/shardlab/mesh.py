@@ -80,11 +80,15 @@ def shard_bounds(height: int, n_ranks: int) -> list[tuple[int, int, int]]:
     return [(rank, min(rank * size, height), min((rank + 1) * size, height)) for rank in range(n_ranks)]
 
 
-def halo_plan(height: int, n_ranks: int, kernel_size: int) -> list[dict]:
-    """Per rank, the rows it owns and the halo rows it receives from rank r-1 (above) and r+1 (below)."""
+def _halo_width(kernel_size: int) -> int:
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size={kernel_size}: use an odd size (3, 5, ...), which pads the same on both sides.")
-    halo = kernel_size // 2
+    return kernel_size // 2
+
+
+def halo_plan(height: int, n_ranks: int, kernel_size: int) -> list[dict]:
+    """Per rank, the rows it owns and the halo rows it receives from rank r-1 (above) and r+1 (below)."""
+    halo = _halo_width(kernel_size)
     bounds = shard_bounds(height, n_ranks)
     if n_ranks > 1 and halo:
         for rank, start, stop in bounds:
@@ -199,12 +203,6 @@ def tile_bounds(height: int, width: int, tiles) -> list[dict]:
     rows, cols = _check_tiles(tiles)
     return [{"rank": i * cols + j, "coords": (i, j), "rows": (r0, r1), "cols": (c0, c1)}
             for i, r0, r1 in shard_bounds(height, rows) for j, c0, c1 in shard_bounds(width, cols)]
-
-
-def _halo_width(kernel_size: int) -> int:
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size={kernel_size}: use an odd size (3, 5, ...), which pads the same on both sides.")
-    return kernel_size // 2
 
 
 def _neighbours(index: int, count: int) -> int:

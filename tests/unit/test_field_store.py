@@ -107,12 +107,6 @@ def test_reading_rows_reads_only_the_chunks_that_overlap_them(store, start, stop
     assert kernel / sample <= (stop - start) / H + 2 * ROWS / H + 0.02  # about (b - a) / H, chunk-rounded
 
 
-def test_chunk_bounds_are_the_mesh_layers_shard_bounds():
-    for height in (0, 1, 7, 9, 64, 65, 512):
-        for n in (1, 2, 3, 4, 8):
-            assert data.chunk_bounds(height, n) == [(a, b) for _, a, b in mesh.shard_bounds(height, n)]
-
-
 class FakeMesh:
     """What read_slab asks of a (ddp, domain) mesh before it reads anything."""
 
@@ -256,7 +250,8 @@ def test_a_whole_world_distributed_sampler_glues_two_samples_into_one_field(stor
     assert ours[0] == ours[1] and ours[2] == ours[3] and not set(ours[0]) & set(ours[2])
     top, bottom = world[0][0], world[1][0]
     k = data.open_store(store).field("permeability")
-    halves = [data.read_range(store, sample, a, b)[0] for sample, (a, b) in zip((top, bottom), data.chunk_bounds(H, 2))]
+    halves = [data.read_range(store, sample, a, b)[0]
+              for sample, (_, a, b) in zip((top, bottom), mesh.shard_bounds(H, 2))]
     glued = np.concatenate(halves, axis=2)  # what full_tensor() would see: no error anywhere
     assert not any(np.allclose(glued, k[i:i + 1]) for i in range(n))  # a field of no sample
     steps = np.abs(np.diff(glued[0, 0], axis=0)).max(axis=1)

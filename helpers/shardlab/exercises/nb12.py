@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from ..check import Watch, case_generator, earlier_object
-from ..data import chunk_bounds, open_store, read_slab, write_field_store
-from ..mesh import build_mesh
+from ..data import open_store, read_slab, write_field_store
+from ..mesh import build_mesh, shard_bounds
 
 
 def _height(rng, low: int, high: int, sizes: list[int]) -> int:
@@ -113,7 +113,7 @@ def _judge_slab(got, expected, array, domain, read: int, shard_tensor) -> str | 
         return f"read_rows returned a {type(got).__name__}: return the ShardTensor ShardTensor.from_local builds"
     if tuple(got.placements) != (Shard(2),) or got.device_mesh != domain:
         return f"its placements are {tuple(got.placements)} on another mesh: Shard(2) on the domain mesh it is given"
-    start, stop = chunk_bounds(array.shape[2], domain.size())[domain.get_local_rank()]
+    _, start, stop = shard_bounds(array.shape[2], domain.size())[domain.get_local_rank()]
     chunk_rows = array.chunks[2]
     chunks = -(-stop // chunk_rows) - start // chunk_rows
     most = chunks * chunk_rows * array.shape[3] * array.dtype.itemsize

@@ -175,7 +175,6 @@ def halo_rows(height, n_ranks, kernel_sizes=(3, 5), ax=None):
     return fig
 
 
-
 def _tile_halo_pieces(tile, by_coords, halo):
     """(gid, sender, (x, y, w, h) in field coordinates) of the halo a tile receives: k//2 rows from its H
     neighbours, then k//2 columns of its W neighbours' H-padded tiles, whose ends (the corners) hold the diagonal
