@@ -45,17 +45,20 @@ def replicated_mean(mean_of, x) -> str | None:
     """Exercise 1. Doing it means: let each rank reduce its own rows (a ``Partial`` sum), then resolve the partial
     value over the mesh (one all-reduce of a number), and keep the result a ShardTensor that every rank holds whole.
 
-    ``mean_of(t)`` is called on ``x`` and on a field drawn for each check, split unevenly (so a mean of the ranks'
-    means is wrong). Observed: the collectives (an all-reduce over the mesh, nothing carrying rows of the field) and
-    the result's type, placement, mesh and value, against the mean of the judge's own whole field."""
+    ``mean_of(t)`` is called on ``x`` and on two fields of different shapes drawn for each check, split unevenly (so
+    a mean of the ranks' means is wrong). Observed: the collectives (an all-reduce over the mesh, nothing carrying
+    rows of the field) and the result's type, placement, mesh and value, against the mean of the judge's own whole
+    field."""
     ShardTensor = _shard_tensor()
     if not callable(mean_of):
         return f"mean_of is a {type(mean_of).__name__}: define a function mean_of(t) that returns a ShardTensor"
     mesh, n = x.device_mesh, x.device_mesh.size()
     ranks = dist.get_process_group_ranks(mesh.get_group())
-    whole, own = _uneven_field(mesh, x.device, case_generator())
+    rng = case_generator()
+    # Two fields of different shapes: an answer fitted to any one shape the judge could draw still meets the other.
+    drawn = [_uneven_field(mesh, x.device, rng, channels=c) for c in (1, rng.randint(2, 3))]
     x_whole = x.full_tensor()  # every rank gathers it here, outside the judged call and before any verdict
-    cases = (("x", x, x_whole), (f"a field of {whole.shape[2]} rows split unevenly", own, whole))
+    cases = [("x", x, x_whole)] + [(f"a {tuple(whole.shape)} field split unevenly", own, whole) for whole, own in drawn]
     runs = []
     for what, t, full in cases:  # every call on every rank, then verdicts: no rank leaves a collective early
         with Watch() as watch:
