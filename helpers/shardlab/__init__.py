@@ -2,9 +2,9 @@
 
 Three groups, by who uses them:
 
-- at the top, what the lessons call: ``mesh``, ``data``, ``models``, ``levers``, ``train``, ``measure``, ``plot``,
-  ``plan``, ``check`` and ``exercises`` (the answer key), with ``workarounds`` (upstream bugs), ``report`` (tables)
-  and ``gpu_record`` (what a committed ``make gpu-check`` run measured: ``sl.gpu_status()``);
+- at the top, what the lessons call: ``mesh``, ``data``, ``points``, ``models``, ``levers``, ``train``, ``measure``,
+  ``plot``, ``plan``, ``check`` and ``exercises`` (the answer key), with ``workarounds`` (upstream bugs),
+  ``report`` (tables) and ``gpu_record`` (what a committed ``make gpu-check`` run measured: ``sl.gpu_status()``);
 - ``ranks``: the machinery behind ``%%px`` and jobs of ranks (see ``shardlab/ranks/__init__.py``);
 - ``tools``: the command-line tools, ``python -m shardlab.tools.<name>`` (see ``shardlab/tools/__init__.py``).
 
@@ -22,8 +22,9 @@ import, including those inside functions, against this list.
    ``init_rank``, what every engine runs first)
 4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
 5. ``measure`` (also ``python -m shardlab.measure``), ``plot``, ``checkpoints`` (a training run's state written
-   in parts and loaded into another layout)
-6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``)
+   in parts and loaded into another layout), ``points`` (point clouds for PhysicsNeMo's point models)
+6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``),
+   ``audit`` (a model's communication module by module, and what ShardTensor could not shard)
 7. ``exercises``: one module of judges per notebook
 8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.agenda``
 9. ``tools.gpucheck``: runs the tools above on a GPU node
@@ -41,8 +42,8 @@ LAYERS = (
     ("ranks.launch", "ranks.engines", "mesh"),
     ("data", "models", "levers", "ranks.warm"),
     ("train", "ranks.bringup"),
-    ("measure", "plot", "checkpoints"),
-    ("ranks.cluster", "check", "plan"),
+    ("measure", "plot", "checkpoints", "points"),
+    ("ranks.cluster", "check", "plan", "audit"),
     ("exercises",),
     ("tools.smoke", "tools.bench", "tools.handout", "tools.agenda"),
     ("tools.gpucheck",),

@@ -19,7 +19,10 @@ import inspect
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads on first use: a notebook kernel checks answers without it
+    from .measure.collectives import Event
 
 
 class NotSolved(AssertionError):
@@ -120,92 +123,12 @@ def case_generator() -> random.Random:
 # Watching the work: what a judged call communicated, and which library functions it ran
 
 
-# c10d ops (and their functional twins) by the primitive a lesson teaches.
-_PRIMITIVES = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast", "broadcast": "broadcast",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
-    "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce", "barrier": "barrier",
-}
-# c10d ops whose first argument is the output buffer: what a rank sends is in the arguments after it.
-_OUTPUT_FIRST = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_",
-                 "reduce_scatter_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_"}
+def _event(*args, **kwargs) -> Event:
+    """An Event of ``measure.collectives``, the one record of what watched code did (imported here on first use:
+    checking an answer in a notebook kernel needs no torch)."""
+    from .measure.collectives import Event
 
-
-@dataclass
-class Event:
-    """One thing a watched call did: a collective (``kind`` "collective") or a call of a watched function."""
-
-    kind: str
-    name: str  # the primitive ("all_reduce", "send", ...) or the watched function's label
-    ranks: tuple = ()  # global ranks of the collective's group
-    bytes: int = 0  # bytes this rank hands to the collective (its input; output buffers are not counted)
-    peer: int | None = None  # global rank a send goes to or a receive comes from
-    arguments: dict = field(default_factory=dict)  # a watched function's arguments, as it received them
-
-
-def _group_of(args: list):
-    """The process group among a c10d op's arguments (boxed as a ScriptObject by the dispatcher, or named by a
-    functional collective), or None."""
-    import torch
-    import torch.distributed as dist
-
-    for a in args:
-        if isinstance(a, dist.ProcessGroup):
-            return a
-        try:
-            if isinstance(a, torch.ScriptObject):
-                return dist.ProcessGroup.unbox(a)
-            if isinstance(a, str):
-                return dist.distributed_c10d._resolve_process_group(a)
-        except (RuntimeError, ValueError, KeyError, TypeError):
-            continue  # another boxed object (a reduce op) or a string that names no group
-    return None
-
-
-def _collective_event(name: str, args, kwargs) -> Event:
-    """The Event of one c10d op: its primitive, its group's global ranks, the bytes this rank hands to it."""
-    import torch
-    import torch.distributed as dist
-    from torch.utils._pytree import tree_flatten
-
-    flat = tree_flatten((args, kwargs))[0]
-    group = _group_of(flat)
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-    sent = tree_flatten((args[1:], kwargs) if name in _OUTPUT_FIRST else (args, kwargs))[0]
-    size = sum(t.numel() * t.element_size() for t in sent if isinstance(t, torch.Tensor))
-    peer = None
-    if _PRIMITIVES[name] in ("send", "recv") and group is not None:  # the peer is a rank of the group
-        local = next((a for a in flat if isinstance(a, int) and not isinstance(a, bool)), None)
-        peer = ranks[local] if local is not None and 0 <= local < len(ranks) else None
-    return Event("collective", _PRIMITIVES[name], ranks, size, peer)
-
-
-def _collective_recorder(events: list):
-    """A dispatch mode that appends an Event for every collective run inside it, whoever calls it (the learner or
-    a library). Modes see every c10d op, including those of ShardTensor's handlers (``CommDebugMode`` does not run
-    on ShardTensor convolutions)."""
-    from .measure import CollectiveBytes
-
-    class Recorder(CollectiveBytes):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            name = str(func.overloadpacket).split(".")[-1]
-            if func.namespace in self.NAMESPACES and name in _PRIMITIVES:
-                hook = sys.getprofile()
-                sys.setprofile(None)  # this bookkeeping is the recorder's own, not the watched code's
-                try:
-                    events.append(_collective_event(name, args, kwargs))
-                finally:
-                    sys.setprofile(hook)
-            return out
-
-    return Recorder()
+    return Event(*args, **kwargs)
 
 
 class Watch:
@@ -233,13 +156,18 @@ class Watch:
                     self._builtins[fn.__name__] = label
         self._attributes = dict(attributes or {})
         self._saved: list = []
-        self._mode = _collective_recorder(self.events) if collectives else contextlib.nullcontext()
+        if collectives:
+            from .measure.collectives import collective_recorder
+
+            self._mode = collective_recorder(self.events.append)
+        else:
+            self._mode = contextlib.nullcontext()
 
     def _profile(self, frame, event, arg):
         if event == "call" and frame.f_code in self._codes:
-            self.events.append(Event("call", self._codes[frame.f_code], arguments=dict(frame.f_locals)))
+            self.events.append(_event("call", self._codes[frame.f_code], arguments=dict(frame.f_locals)))
         elif event == "c_call" and getattr(arg, "__name__", None) in self._builtins:
-            self.events.append(Event("call", self._builtins[arg.__name__]))
+            self.events.append(_event("call", self._builtins[arg.__name__]))
         if self._previous is not None:
             self._previous(frame, event, arg)
 
@@ -256,7 +184,7 @@ class Watch:
                     bound = signature.bind(*args, **kwargs)
                     bound.apply_defaults()
                     arguments = dict(bound.arguments)
-            self.events.append(Event("call", label, arguments=arguments))
+            self.events.append(_event("call", label, arguments=arguments))
             return original(*args, **kwargs)
 
         return recorded

@@ -1,8 +1,8 @@
 """Every workaround for an upstream behaviour (PhysicsNeMo, torch, psutil) lives here, and only here.
 
-Each one names what it works around; ``tests/unit/test_workarounds.py`` fails as soon as
-upstream no longer needs it, so it can be deleted. torch and PhysicsNeMo are imported inside
-the functions: ``launch`` imports this module in notebook kernels that never initialise a rank.
+Each one names what it works around; ``tests/unit/test_workarounds.py`` fails as soon as upstream no longer needs it,
+so it can be deleted. torch and PhysicsNeMo are imported inside the functions: ``launch`` imports this module in
+notebook kernels that never initialise a rank.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import psutil
 def cpu_safe_process_group_init(timeout: timedelta):
     """Let ``DistributedManager.initialize()`` create a process group on CPU, with our timeout.
 
-    Upstream: NVIDIA/physicsnemo issue #1936 (fix proposed in PR #1938). ``DistributedManager.setup``
-    passes the CPU device as ``device_id`` to ``init_process_group``; torch rejects a device_id
-    that is not an accelerator with an index (ValueError), and PhysicsNeMo only catches
-    TypeError. It also passes no timeout, so gloo would wait 30 minutes for a missing rank.
+    Upstream: NVIDIA/physicsnemo issue #1936 (fix proposed in PR #1938). ``DistributedManager.setup`` passes the CPU
+    device as ``device_id`` to ``init_process_group``; torch rejects a device_id that is not an accelerator with an
+    index (ValueError), and PhysicsNeMo only catches TypeError. It passes no timeout either: gloo would wait 30 min.
     """
 
     def adjust(kwargs):
@@ -97,13 +96,7 @@ def nccl_errors_raise():
       recorder's files of a hang) and none of NCCL_TIMEOUT_DUMP is set: torch's dump and monitor then work as you
       configured them, a collective raises 4 dump waits after the timeout, and the monitor may end every rank.
 
-    Which failure raises where, on NCCL: the watchdog notices a collective that outlived the timeout ("Watchdog
-    caught collective operation timeout: ... ran for N milliseconds before timing out.") and aborts the
-    communicator. The rank's own thread is not interrupted: a result it syncs on (``.item()``) is garbage, and its
-    next collective on that group raises "NCCL communicator was aborted on rank N. Original reason for failure
-    was: Watchdog caught collective operation timeout: ..." (later ones: "NCCL communicator was aborted after a
-    previous error"). Restart the ranks after that. gloo reads none of these variables: its collective itself
-    raises "Timed out waiting Nms" after the timeout.
+    Which failure raises where, on NCCL and on gloo, after a timeout: docs/gpu-check.md (NCCL failures).
     """
 
     def adjust(_kwargs):
@@ -115,8 +108,8 @@ def nccl_errors_raise():
 
 @contextlib.contextmanager
 def _init_process_group_adjusted(adjust):
-    """While the block runs, ``torch.distributed.init_process_group`` first calls ``adjust(kwargs)``
-    (it may edit the call's keywords): the one call upstream makes that both workarounds above correct."""
+    """While the block runs, ``torch.distributed.init_process_group`` first calls ``adjust(kwargs)`` (it may edit the
+    call's keywords): the one call upstream makes that both workarounds above correct."""
     import torch.distributed as dist
 
     original = dist.init_process_group
@@ -136,11 +129,11 @@ def _init_process_group_adjusted(adjust):
 def gpu_of_this_rank(gpu: int | None):
     """Let ``DistributedManager.initialize()`` put this rank on GPU ``gpu`` of those it sees (``devices.gpu_index``).
 
-    Upstream: PhysicsNeMo 2.2.2's ``DistributedManager.setup`` uses ``cuda:{local_rank}``. With one visible GPU
-    per process (Slurm's ``--gpus-per-task=1``, a CUDA_VISIBLE_DEVICES slice per rank) a rank of local rank 1
-    asks for ``cuda:1``, which does not exist: its only GPU is ``cuda:0``. This passes the GPU's index as the local
-    rank ``setup`` uses for the device (and for its barrier's ``device_ids``); the launcher's own local rank is
-    still what ``launch.detect_launch`` reports. ``None`` (no GPU) changes nothing.
+    Upstream: PhysicsNeMo 2.2.2's ``DistributedManager.setup`` uses ``cuda:{local_rank}``. With one visible GPU per
+    process (Slurm's ``--gpus-per-task=1``, a CUDA_VISIBLE_DEVICES slice per rank) a rank of local rank 1 asks for
+    ``cuda:1``, which does not exist: its only GPU is ``cuda:0``. This passes the GPU's index as the local rank
+    ``setup`` uses for the device (and its barrier's ``device_ids``); the launcher's own local rank is still what
+    ``launch.detect_launch`` reports. ``None`` (no GPU) changes nothing.
     """
 
     def adjust(kwargs):
@@ -218,11 +211,11 @@ def cpu_allocator_changes(profile) -> list[tuple[int, int]]:
     return changes
 
 
-# The shard-aware wrappers for the operations this series uses. Upstream's register_shard_wrappers()
-# also imports knn, mesh_ops, natten_patches and point_cloud_ops (k-nearest neighbours, signed distance
-# fields, neighbourhood attention, radius search): their imports pull in physicsnemo.nn, which was most of
-# a CPU rank's start-up here (register_custom_ops: ~9 s vs ~0.2 s for these, measured side by side on
-# 2 busy cores). A lesson that needs those calls register_shard_ops_on_cpu(everything=True).
+# The shard-aware wrappers for the operations this series uses. Upstream's register_shard_wrappers() also imports
+# knn, mesh_ops, natten_patches and point_cloud_ops (k-nearest neighbours, signed distance fields, neighbourhood
+# attention, radius search): their imports pull in physicsnemo.nn, most of a CPU rank's start-up here
+# (register_custom_ops: ~9 s vs ~0.2 s for these, side by side on 2 busy cores): a lesson that needs those calls
+# register_shard_ops_on_cpu(everything=True).
 SERIES_SHARD_WRAPPERS = ("attention_patches", "conv_patches", "index_ops", "linear_patches", "normalization_patches",
                          "padding", "pooling_patches", "unary_ops", "unpooling_patches", "view_ops")
 
@@ -230,11 +223,10 @@ SERIES_SHARD_WRAPPERS = ("attention_patches", "conv_patches", "index_ops", "line
 def register_shard_ops_on_cpu(everything: bool = False) -> None:
     """Register ShardTensor's op handlers (reductions, conv halos, norms...) on a CPU-only host.
 
-    Upstream: ``physicsnemo.domain_parallel`` calls ``register_custom_ops()`` at import only
-    ``if torch.cuda.is_available()``. Without it, e.g. the backward of a sum over a Shard(1)
-    ShardTensor fails with "placement[0] doesn't have a matching shard in shard_order".
-    Registering twice is harmless: the handlers are keyed by op. On GPUs upstream registers
-    everything itself, so this runs on CPU ranks only.
+    Upstream: ``physicsnemo.domain_parallel`` calls ``register_custom_ops()`` at import only ``if
+    torch.cuda.is_available()``. Without it, e.g. the backward of a sum over a Shard(1) ShardTensor fails with
+    "placement[0] doesn't have a matching shard in shard_order". Registering twice is harmless: the handlers are
+    keyed by op. On GPUs upstream registers everything itself, so this runs on CPU ranks only.
     """
     import importlib
 
@@ -277,6 +269,14 @@ def recompute_with_shard_tensor_handlers():
     import contextlib
 
     return contextlib.nullcontext(), _ShardTensorHandlersOn()
+
+
+def exact_mean(t):
+    """``t.mean()`` whose gradient is as exact as its dtype on a ShardTensor too. Upstream: PhysicsNeMo 2.2.2's
+    ``ShardedMean.backward`` (``domain_parallel/custom_ops/_reductions.py``) scales the gradient by ``1.0 /
+    torch.prod(torch.tensor(global_shape))``, a float32 tensor: in float64 every gradient is off by float32's rounding
+    of 1/numel (5e-8 relative for 1000 values; nothing for a power of two). Not yet reported upstream."""
+    return t.sum() / t.numel()
 
 
 def process_started(pid: int) -> float:
@@ -342,10 +342,9 @@ def slurm_rendezvous_address(env=None) -> str:
                      if env.get(name)), "")
     count = next((env[name] for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
                   if env.get(name)), "")
-    try:
+    hosts = []
+    with contextlib.suppress(ValueError):
         hosts = slurm_hostnames(nodelist) if nodelist else []
-    except ValueError:
-        hosts = []
     if len(hosts) == 1 or (not hosts and count == "1"):
         return given or "127.0.0.1"
     if hosts:

@@ -122,7 +122,8 @@ def figures_and_a_passed_check(page) -> None:
 IN_THE_BROWSER = {"09_memory_planner.ipynb": (work_the_planners_widget, "lab_planner"),
                   "10_beyond_halos.ipynb": (figures_and_a_passed_check, "lab_10_beyond_halos"),
                   "11_memory_levers.ipynb": (figures_and_a_passed_check, "lab_11_memory_levers"),
-                  "12_data_at_scale.ipynb": (figures_and_a_passed_check, "lab_12_data_at_scale")}
+                  "12_data_at_scale.ipynb": (figures_and_a_passed_check, "lab_12_data_at_scale"),
+                  "13_physicsnemo_models.ipynb": (figures_and_a_passed_check, "lab_13_physicsnemo_models")}
 
 
 def parked_engines() -> set[int]:

@@ -1,5 +1,6 @@
 """Measure layer: wall-clock and byte figures taken live, side by side in one run. ``python -m shardlab.measure``
-prints them as tables (``tables``).
+prints them as tables (``tables``); ``collectives`` records each collective a block of code runs (``sl.check.Watch``
+and ``sl.audit`` take theirs from it).
 
 Introduced in ``notebooks/01_launchers.ipynb``.
 """

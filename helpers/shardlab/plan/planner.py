@@ -88,9 +88,11 @@ class Planner(DomainSearch):
         try:
             with torch.no_grad(), self.ffts:
                 probe = self.model(torch.empty(self.field_shape, dtype=dtype, device="meta"))
-        except RuntimeError as error:
+        except (RuntimeError, ValueError, TypeError) as error:  # a model of something else than one field
             raise ValueError(f"the model cannot run on a field of shape {self.field_shape}: "
-                             f"{str(error).splitlines()[0]}") from None
+                             f"{str(error).splitlines()[0]}. The planner plans models of one field (N, C, *spatial) "
+                             "split along a spatial dim; a model of points and their coordinates (Transolver, "
+                             "notebook 13) is measured on the ranks instead.") from None
         if tuple(probe.shape[2:]) != self.field_shape[2:]:
             raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles "
                              "field-to-field models that keep the spatial size.")

@@ -8,7 +8,8 @@ Introduced in ``notebooks/02_device_mesh.ipynb``.
 from ._base import rank_colour
 from .layout import halo_rows, rank_grid, shard_map, tile_map
 from .memory import memory_bars, predicted_vs_measured, ratio_curve
-from .training import training_dashboard
+from .training import points_by_rank, training_curves, training_dashboard
 
 __all__ = ["rank_colour", "rank_grid", "shard_map", "halo_rows", "tile_map", "memory_bars", "predicted_vs_measured",
-           "ratio_curve", "training_dashboard"]
+           "ratio_curve", "training_dashboard", "training_curves",
+           "points_by_rank"]

@@ -1,10 +1,11 @@
-"""The capstone's dashboard: a held-out sample, the prediction and its error beside the training curves."""
+"""The capstone's dashboard: a held-out sample, the prediction and its error beside the training curves; a point
+cloud drawn by value and by the rank that held each point (notebook 13)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._base import _LABEL_BOX, _new_figure
+from ._base import _LABEL_BOX, _new_figure, rank_colour
 
 
 def _field_panel(ax, field, title, row_split, **imshow):
@@ -49,13 +50,19 @@ def training_dashboard(truth, prediction, losses, held_out, row_split=None, chec
     _field_panel(fig.add_subplot(grid[0, 2]), error, f"prediction − truth (relative L2 {relative:.3f})",
                  row_split, cmap="RdBu_r", vmin=-reach, vmax=reach)
 
+    _curves(fig.add_subplot(grid[1, :2]), fig.add_subplot(grid[1, 2]), losses, held_out, bound, checkpoint_at)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def _curves(loss_ax, error_ax, losses, held_out, bound=None, checkpoint_at=None) -> None:
+    """The training loss of every step and the held-out loss (left), the held-out relative L2 error (right)."""
     steps = sorted(held_out)
-    loss_ax = fig.add_subplot(grid[1, :2])
     loss_ax.semilogy(range(1, len(losses) + 1), losses, color="tab:blue", linewidth=1,
                      label="training loss (each step)")
     loss_ax.semilogy(steps, [held_out[s]["loss"] for s in steps], "o-", color="tab:orange",
                      label="held-out loss (never trained on)")
-    error_ax = fig.add_subplot(grid[1, 2])
     error_ax.plot(steps, [held_out[s]["relative L2"] for s in steps], "o-", color="tab:orange")
     last = steps[-1]
     error_ax.annotate(f"{held_out[last]['relative L2']:.3f}", (last, held_out[last]["relative L2"]),
@@ -75,6 +82,44 @@ def training_dashboard(truth, prediction, losses, held_out, row_split=None, chec
     error_ax.set_ylim(0, max(held_out[s]["relative L2"] for s in steps) * 1.1)
     error_ax.set_ylabel("relative L2 error")
     error_ax.set_title("held-out error", fontsize=10)
+
+
+def training_curves(losses, held_out, bound=None, title=None):
+    """The curves of ``training_dashboard`` alone, for a run whose samples are not fields (notebook 13's points)."""
+    if not held_out or not losses:
+        raise ValueError("losses and held_out must each hold at least one measurement.")
+    fig = _new_figure(figsize=(11.0, 3.4))
+    loss_ax, error_ax = fig.subplots(1, 2, width_ratios=(2, 1))
+    _curves(loss_ax, error_ax, losses, held_out, bound)
     if title:
         fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def points_by_rank(coords, ranks, panels: dict | None = None, title: str | None = None):
+    """A point cloud drawn on its coordinates: one panel per entry of ``panels`` ({title: a value per point},
+    coloured by value on a shared scale), then the rank that held each point (``ranks``, one per point)."""
+    coords, ranks = np.asarray(coords, dtype=float).reshape(-1, 2), np.asarray(ranks).reshape(-1)
+    panels = {name: np.asarray(values, dtype=float).reshape(-1) for name, values in (panels or {}).items()}
+    fig = _new_figure(figsize=(3.4 * (len(panels) + 1), 3.4))
+    axes = fig.subplots(1, len(panels) + 1, squeeze=False)[0]
+    size = max(2.0, 3000 / len(coords))
+    if panels:
+        low, high = min(v.min() for v in panels.values()), max(v.max() for v in panels.values())
+        for ax, (name, values) in zip(axes, panels.items()):
+            shown = ax.scatter(coords[:, 0], coords[:, 1], c=values, s=size, cmap="viridis", vmin=low, vmax=high)
+            ax.set_title(name)
+        fig.colorbar(shown, ax=axes[: len(panels)].tolist(), shrink=0.8)
+    held = axes[-1]
+    for rank in np.unique(ranks):
+        mine = ranks == rank
+        held.scatter(coords[mine, 0], coords[mine, 1], s=size, color=rank_colour(int(rank)),
+                     label=f"rank {rank}: {mine.sum()}")
+    held.set_title("held by")
+    held.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=2)
+    for ax in axes:
+        ax.set_aspect("equal")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xticks=[], yticks=[])
+    if title:
+        fig.suptitle(title)
     return fig

@@ -1,0 +1,140 @@
+"""Judges of ``notebooks/13_physicsnemo_models.ipynb``: a PhysicsNeMo model run on a point cloud sharded along its
+points, and a parity check that must tell a right domain-parallel run from wrong ones.
+
+Both answers are functions, judged on every rank with models and clouds of the judge's own, drawn for each check
+(point counts that split unevenly, other feature counts, other seeds); what is right is computed outside the judged
+call. A forward pre-hook on the judge's models sees what each model was really given: a model run on the whole
+cloud, or never run, is caught whatever the answer returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..check import Watch, case_generator, earlier_object
+from ..models import transolver
+from ..points import PointCloud
+
+
+def _cloud(rng, n: int, features: int, device) -> PointCloud:
+    """A float64 cloud of a point count that torch.chunk splits unevenly over ``n`` ranks, values drawn from rng."""
+    points = rng.choice([p for p in range(8 * n, 24 * n) if p % n and -(-p // n) * (n - 1) < p])
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    values = [torch.rand(1, points, width, generator=generator, dtype=torch.float64) for width in (features, 2, 1)]
+    return PointCloud(*values).to(device)
+
+
+def _model(rng, features: int, device):
+    return transolver(features=features, width=16, layers=1, heads=2, slices=4, seed=rng.randrange(1000)).to(
+        device, torch.float64)
+
+
+def _inputs_seen(model) -> list[str]:
+    """Records, for every call of ``model``, what it was given: "sharded" (ShardTensors) or "whole"."""
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(
+        "sharded" if all(hasattr(a, "to_local") for a in args) else "whole"))
+    return seen
+
+
+def runs_sharded(run_sharded, cloud, domain) -> str | None:
+    """Exercise 1. Doing it means: scatter the cloud's features and coordinates along the points (dim 1) over
+    ``domain`` from its first rank, and call the model on the two ShardTensors; its output stays sharded.
+
+    ``run_sharded(model, cloud, domain)`` is called with models and clouds of the judge's own (another feature count,
+    a point count that splits unevenly) on the notebook's domain axis, and on the notebook's own cloud. Observed: what
+    the model was given, the output's type, placement, mesh, local size and values against the model on the whole
+    cloud; ``PointCloud.shard`` (the answer key) may not run."""
+    if not callable(run_sharded):
+        return f"run_sharded is a {type(run_sharded).__name__}: define a function run_sharded(model, cloud, domain)"
+    from physicsnemo.domain_parallel import ShardTensor
+    from torch.distributed.tensor import Shard
+
+    rng, n, device = case_generator(), domain.size(), cloud.features.device
+    features = rng.randint(2, 4)
+    mine = _cloud(rng, n, features, device)
+    cases = [(f"a cloud of {mine.points} points with {features} features", _model(rng, features, device), mine),
+             ("the notebook's cloud", _model(rng, cloud.features.shape[-1], device), cloud)]
+    runs = []
+    for what, model, whole in cases:  # every call on every rank, then verdicts
+        with torch.no_grad():
+            truth = model(whole.features, whole.coords)
+        seen = _inputs_seen(model)
+        with Watch(shard=PointCloud.shard) as watch, torch.no_grad():
+            runs.append((what, whole, truth, seen, run_sharded(model, whole, domain), watch))
+    for what, whole, truth, seen, out, watch in runs:
+        problem = watch.forbidden(shard="the helper this exercise rebuilds: scatter the features and coordinates")
+        if problem:
+            return f"on {what}, {problem}"
+        if not seen:
+            return f"on {what}, the model was never called: run it on the sharded cloud"
+        if "whole" in seen:
+            return (f"on {what}, the model ran on the whole cloud on every rank: shard the inputs first, so each "
+                    "rank runs it on its own points")
+        if not isinstance(out, ShardTensor):
+            return f"on {what}, the answer is a {type(out).__name__}: return the model's output, a ShardTensor"
+        if earlier_object(out, run_sharded):
+            return f"on {what}, {earlier_object(out, run_sharded)}"
+        if tuple(out.placements) != (Shard(1),) or out.device_mesh.mesh.tolist() != domain.mesh.tolist():
+            return (f"on {what}, the output is placed {tuple(out.placements)} on ranks {out.device_mesh.mesh.tolist()}"
+                    f": the points are dim 1, split over the domain ranks {domain.mesh.tolist()}")
+        here, expected = out.to_local().shape[1], torch.empty(whole.points, device="meta").chunk(n)
+        if here != expected[domain.get_local_rank()].shape[0]:
+            return f"on {what}, this rank holds {here} points, not torch.chunk's share: scatter with scatter_tensor"
+        if not torch.allclose(out.full_tensor(), truth, rtol=1e-9, atol=1e-12):
+            return f"on {what}, the output differs from the model on the whole cloud: shard both inputs the same way"
+    return None
+
+
+def _wrong_forward(model, rng) -> str:
+    """One weight of ``model`` moved by a thousandth: the two models no longer hold the same weights."""
+    name, parameter = rng.choice([(n, p) for n, p in model.named_parameters() if p.dim() == 2])
+    with torch.no_grad():
+        parameter.mul_(1.001)
+    return f"one weight ({name}) differs"
+
+
+def _wrong_gradient(model, rng) -> str:
+    """Every gradient of one parameter scaled by 1.001 on its way: the forward is right, that gradient is not."""
+    name, parameter = rng.choice(list(model.named_parameters()))
+    parameter.register_hook(lambda grad: grad * 1.001)
+    return f"the gradient of {name} is 0.1 % off (the outputs are equal)"
+
+
+def checks_parity(parity_holds, cloud, domain) -> str | None:
+    """Exercise 2. Doing it means: run the model on the cloud sharded over ``domain`` and the one-process model on
+    the whole cloud, forward and backward (``sl.points.mse``), and compare the gathered output and every parameter's
+    gradient, tightly enough for float64, on every rank.
+
+    ``parity_holds(model, one_process, cloud, domain)`` is called with three pairs of the judge's own on a cloud of
+    its own: the same weights (it must say True), one weight that differs (False), and one gradient that goes wrong
+    on its way while the outputs agree (False), in an order drawn for each check. Observed: the answer, and that each
+    model ran, the sharded one on ShardTensors and the other on the whole cloud."""
+    if not callable(parity_holds):
+        return (f"parity_holds is a {type(parity_holds).__name__}: define a function parity_holds(model, one_process, "
+                "cloud, domain) that returns True or False")
+    rng, n, device = case_generator(), domain.size(), cloud.features.device
+    features = rng.randint(1, 3)
+    mine = _cloud(rng, n, features, device)
+    kinds = [("the same weights", None, True), ("", _wrong_forward, False), ("", _wrong_gradient, False)]
+    rng.shuffle(kinds)
+    runs = []
+    for what, spoil, right in kinds:  # every call on every rank, then verdicts
+        seed = rng.randrange(1000)
+        model, one_process = (transolver(features=features, width=16, layers=1, heads=2, slices=4, seed=seed).to(
+            device, torch.float64) for _ in range(2))
+        what = spoil(model, rng) if spoil else what
+        seen = (_inputs_seen(model), _inputs_seen(one_process))
+        runs.append((what, right, seen, parity_holds(model, one_process, mine, domain)))
+    for what, right, (sharded, whole), answer in runs:
+        if not isinstance(answer, bool):
+            return f"with {what}, parity_holds returned a {type(answer).__name__}: return True or False"
+        if "sharded" not in sharded or "whole" in sharded or set(whole) != {"whole"}:
+            return (f"with {what}, the model ran {sharded or 'never'} and the one-process model {whole or 'never'}: "
+                    "run the model once on the sharded cloud and the one-process model once on the whole cloud")
+        if answer != right:
+            advice = (": a right run must pass: a tolerance above float64's rounding" if right
+                      else ": compare every parameter's gradient too, not only the outputs" if "gradient" in what
+                      else ": compare the gathered output with the one-process output, tightly (float64)")
+            return f"with {what}, parity_holds said {answer}{advice}"
+    return None
