@@ -90,6 +90,18 @@ def transolver(features: int = 1, coords: int = 2, out: int = 1, width: int = 32
                           n_head=heads, slice_num=slices, use_te=False)
 
 
+def fno(channels: int = 8, layers: int = 2, modes: int = 4, seed: int = 0):
+    """PhysicsNeMo's own 2-D ``FNO`` (``notebooks/13_physicsnemo_models.ipynb``), small: 1 channel in and out,
+    ``channels`` latent channels, ``layers`` spectral layers keeping ``modes`` frequencies per axis, no padding. The
+    weights depend on ``seed`` alone, and the global random state is left as it was."""
+    from physicsnemo.models.fno import FNO
+
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: modules are created on the CPU
+        return FNO(in_channels=1, out_channels=1, decoder_layers=1, decoder_layer_size=8, dimension=2,
+                   latent_channels=channels, num_fno_layers=layers, num_fno_modes=modes, padding=0)
+
+
 # A stencil that ShardTensor has no handler for, as a user's own kernel would be: a custom op is opaque to
 # PhysicsNeMo (it cannot see the slicing inside), so on a ShardTensor it reaches DTensor, which has no sharding
 # strategy for it. Introduced in ``notebooks/10_beyond_halos.ipynb``, where the learner writes its shard patch.

@@ -13,7 +13,6 @@ ON_RANKS = r'''
 import torch
 import torch.distributed as dist
 from physicsnemo.domain_parallel import ShardTensor, scatter_tensor
-from physicsnemo.models.fno import FNO
 from physicsnemo.models.transolver import Transolver
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -78,8 +77,7 @@ def conv(n):
 
 
 def fno(n):
-    model = seeded(lambda: FNO(in_channels=1, out_channels=1, decoder_layers=1, decoder_layer_size=8, dimension=2,
-                               latent_channels=8, num_fno_layers=2, num_fno_modes=4, padding=0))
+    model = sl.models.fno(channels=8, layers=2, modes=4).double()
     field = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(3)).double()
     result = sl.audit.audit_model(model, scatter(field, meshes[n], Shard(2)))
     return seen(result, gap=gap(result.output, model(field)))

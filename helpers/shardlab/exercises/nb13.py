@@ -24,9 +24,9 @@ def _cloud(rng, n: int, features: int, device) -> PointCloud:
     return PointCloud(*values).to(device)
 
 
-def _model(rng, features: int, device):
-    return transolver(features=features, width=16, layers=1, heads=2, slices=4, seed=rng.randrange(1000)).to(
-        device, torch.float64)
+def _model(features: int, seed: int, device):
+    """A small float64 Transolver of the judge's own, taking ``features`` values per point."""
+    return transolver(features=features, width=16, layers=1, heads=2, slices=4, seed=seed).to(device, torch.float64)
 
 
 def _inputs_seen(model) -> list[str]:
@@ -53,8 +53,9 @@ def runs_sharded(run_sharded, cloud, domain) -> str | None:
     rng, n, device = case_generator(), domain.size(), cloud.features.device
     features = rng.randint(2, 4)
     mine = _cloud(rng, n, features, device)
-    cases = [(f"a cloud of {mine.points} points with {features} features", _model(rng, features, device), mine),
-             ("the notebook's cloud", _model(rng, cloud.features.shape[-1], device), cloud)]
+    cases = [(f"a cloud of {mine.points} points with {features} features", mine, features),
+             ("the notebook's cloud", cloud, cloud.features.shape[-1])]
+    cases = [(what, _model(width, rng.randrange(1000), device), whole) for what, whole, width in cases]
     runs = []
     for what, model, whole in cases:  # every call on every rank, then verdicts
         with torch.no_grad():
@@ -121,8 +122,7 @@ def checks_parity(parity_holds, cloud, domain) -> str | None:
     runs = []
     for what, spoil, right in kinds:  # every call on every rank, then verdicts
         seed = rng.randrange(1000)
-        model, one_process = (transolver(features=features, width=16, layers=1, heads=2, slices=4, seed=seed).to(
-            device, torch.float64) for _ in range(2))
+        model, one_process = (_model(features, seed, device) for _ in range(2))
         what = spoil(model, rng) if spoil else what
         seen = (_inputs_seen(model), _inputs_seen(one_process))
         runs.append((what, right, seen, parity_holds(model, one_process, mine, domain)))
