@@ -13,7 +13,7 @@ import, including those inside functions, against this list.
 
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place)
-1. ``report``, ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
+1. ``report``, ``flight`` (the collectives each rank entered, torch's Flight Recorder), ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
    engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
@@ -38,7 +38,7 @@ import importlib
 
 LAYERS = (
     ("ranks.devices", "gpu_record", "workarounds"),
-    ("report", "ranks.procs", "ranks.programs", "ranks.px"),
+    ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
     ("ranks.launch", "ranks.engines", "mesh"),
     ("data", "models", "levers", "ranks.warm"),
     ("train", "ranks.bringup"),

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from .. import workarounds
+from .. import flight, workarounds
 from . import devices, procs
 from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
@@ -283,12 +283,15 @@ def _rank_process_settings(timeout: timedelta) -> None:
 
     - torch's module default timeouts: device-mesh subgroups are created without a timeout and
       fall back to them (30 min for gloo, 10 min for nccl); a tutorial must fail fast instead.
+    - torch's Flight Recorder on (``flight.enable``): each rank keeps the collectives it entered, gloo's as well
+      as NCCL's, so a hang can be read on every rank (notebook 14, ``sl.ranks.panel``).
     - a warnings filter: PhysicsNeMo 2.2.2 calls a collective that torch 2.14 deprecates, and the
       FutureWarning would print on every rank for every redistribute with nothing to act on.
     """
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = timeout
+    flight.enable()
     c10d.default_pg_nccl_timeout = timeout
     warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated", category=FutureWarning)
 
