@@ -13,13 +13,15 @@ import, including those inside functions, against this list.
 
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place)
-1. ``report``, ``flight`` (the collectives each rank entered, torch's Flight Recorder), ``ranks.procs`` (which processes shardlab started), ``ranks.programs`` (where
+1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
+   processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
    engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
-   ``scatter_tensor`` splits rows, which ``data`` reads slabs by)
+   ``scatter_tensor`` splits rows, which ``data`` reads slabs by); ``ranks.beacon`` (each rank's state, written
+   for the rank panel)
 3. ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
-   ``init_rank``, what every engine runs first)
+   ``init_rank``, what every engine runs first); ``ranks.panel`` (every rank's state, live, in the notebook)
 4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
 5. ``measure`` (also ``python -m shardlab.measure``), ``plot``, ``checkpoints`` (a training run's state written
    in parts and loaded into another layout), ``points`` (point clouds for PhysicsNeMo's point models)
@@ -39,8 +41,8 @@ import importlib
 LAYERS = (
     ("ranks.devices", "gpu_record", "workarounds"),
     ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
-    ("ranks.launch", "ranks.engines", "mesh"),
-    ("data", "models", "levers", "ranks.warm"),
+    ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon"),
+    ("data", "models", "levers", "ranks.warm", "ranks.panel"),
     ("train", "ranks.bringup"),
     ("measure", "plot", "checkpoints", "points"),
     ("ranks.cluster", "check", "plan", "audit"),

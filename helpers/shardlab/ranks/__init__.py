@@ -9,6 +9,7 @@
 - ``engines``: one object per way of starting the ipyparallel engines (mpiexec, a Slurm step, an sbatch job);
 - ``warm``: ranks kept for the next notebook and the reset that makes them fresh; ``init_rank``;
 - ``bringup``: a cluster's ranks brought up, fresh or taken over;
+- ``beacon`` and ``panel``: each rank writes its state, and ``cluster.panel()`` shows it live while a cell runs;
 - ``cluster``: ``MPICluster`` and ``start_cluster``, the cluster a notebook owns.
 """
 

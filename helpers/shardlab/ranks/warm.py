@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from . import devices, launch, procs
+from . import beacon, devices, launch, procs
 
 POOL = "SHARDLAB_WARM_POOL"
 SETTINGS = "pool-settings"
@@ -236,15 +236,19 @@ def restore_registry(snapshot: dict) -> None:
 
 
 def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
-    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``launch.init_distributed``.
+    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``launch.init_distributed``,
+    then the rank's ``beacon`` (started once per process, pointed at this start on a warm rank's reset).
 
     At a rank's first initialisation, it also notes the series' own state: ShardTensor's handler registries (the
     handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the environment the rank was
     started with (before any import wrote into it: torch sets its compile cache folder there, inside the temp folder
     of the kernel that started the rank)."""
+    since_ns = time.time_ns()  # the collectives of this start, not of a previous notebook's, for the beacon
     os.environ.update(rendezvous)
     devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
     state = launch.init_distributed(timeout_s).as_row()
+    if (folder := beacon.engine_status_folder()) is not None:  # what the kernel's rank panel reads
+        beacon.start(folder, state["rank"], state["device"], since_ns)
     if not _SERIES_STATE:
         import torch
         from physicsnemo.domain_parallel import ShardTensor

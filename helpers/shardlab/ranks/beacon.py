@@ -1,0 +1,160 @@
+"""Each rank reports what it is doing to a file the notebook's kernel can read while a ``%%px`` cell blocks it.
+
+While a cell runs, the kernel's main thread waits on the engines and cannot ask them anything: ipyparallel answers
+only once the cell is done. So every rank keeps a daemon thread that writes its own state (running, idle or failed,
+since when, the last collective it entered, its memory) to ``<status folder>/rank-<r>.json``, which the kernel's
+``panel`` reads. The folder sits in the cluster's profile folder, which the cluster removes when it stops.
+
+Costs nothing while nobody looks: the thread writes only while the panel's ``watched`` marker exists in the folder,
+and otherwise only checks for it once a second. Reading torch's Flight Recorder is the one expensive part (tens of
+milliseconds for a full buffer, holding the GIL), so a rank reads it again only when a group's collective count moved
+or a collective it saw was still in progress, and never more often than ``FLIGHT_SHARE`` of its time allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from .. import flight
+
+STATUS = "rank-status"  # the folder, inside the cluster's profile folder
+WATCHED = "watched"  # present while a panel shows the ranks
+BEAT_S = 0.5  # a watched rank writes this often
+LOOK_S = 1.0  # an unwatched rank looks for the marker this often
+FLIGHT_EVERY_S = 1.0  # the Flight Recorder is read at most this often...
+FLIGHT_SHARE = 0.05  # ...and for at most this share of the rank's time
+
+
+def status_folder(profile_dir: str | os.PathLike) -> Path:
+    return Path(profile_dir) / STATUS
+
+
+def record_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.json"
+
+
+def engine_status_folder() -> Path | None:
+    """On an engine: the status folder in the profile folder it was started with (None outside an engine)."""
+    from ipyparallel.engine.app import IPEngine
+
+    return status_folder(IPEngine.instance().profile_dir.location) if IPEngine.initialized() else None
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    """A reader sees the old file or the new one, never half of one."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def group_counts() -> tuple | None:
+    """How many collectives each process group of this rank has numbered: when it has not moved, the collectives
+    the Flight Recorder holds have not either. None when a backend cannot say."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return tuple(sorted((pg.group_name, pg._get_sequence_number_for_group())
+                            for pg in list(c10d._world.pg_group_ranks)))
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def accelerator_bytes(device: str) -> int | None:
+    """Bytes torch has allocated on ``device`` when it is this process's accelerator (None on a host-only rank)."""
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or torch.device(device).type != accelerator.type:
+        return None
+    return torch.accelerator.memory_allocated(torch.device(device).index or 0)
+
+
+class Beacon:
+    """One rank's reporter: IPython's cell events give its state (a cell that raised leaves it "failed"), a daemon
+    thread writes it while watched."""
+
+    def __init__(self, folder: Path, rank: int, device: str, since_ns: int):
+        self.folder, self.rank, self.device, self.since_ns = folder, rank, device, since_ns
+        self.state, self.cell_started, self.cell_ended = "idle", None, None
+        self._newest: list[flight.Entered] = []  # the newest collective of each group, as last read
+        self._flight_read_ns, self._counts, self._next_flight = 0, None, 0.0
+        self._wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shardlab-beacon", daemon=True)
+
+    def cell_started_now(self) -> None:
+        self.state, self.cell_started, self.cell_ended = "running", time.time(), None
+
+    def cell_finished(self) -> None:
+        from IPython import get_ipython
+
+        failed = not get_ipython().last_execution_succeeded
+        self.state, self.cell_ended = ("failed" if failed else "idle"), time.time()
+
+    def _read_flight(self) -> None:
+        """Read the Flight Recorder again if it may hold something new; else only move the time the record is
+        known to be current to now (what ``flight.waits`` compares with the others' collectives)."""
+        now_ns, counts = time.time_ns(), group_counts()
+        unfinished = any(not e.done for e in self._newest)
+        if counts is not None and counts == self._counts and not unfinished:
+            self._flight_read_ns = now_ns
+            return
+        if time.monotonic() < self._next_flight:
+            return
+        t0 = time.monotonic()
+        newest: dict[tuple, flight.Entered] = {}
+        for e in flight.entered(self.since_ns):
+            if e.group not in newest or e.seq > newest[e.group].seq:
+                newest[e.group] = e
+        self._newest, self._counts, self._flight_read_ns = list(newest.values()), counts, now_ns
+        cost = time.monotonic() - t0
+        self._next_flight = t0 + max(FLIGHT_EVERY_S, cost / FLIGHT_SHARE)
+
+    def report(self) -> dict:
+        self._read_flight()
+        return {"rank": self.rank, "pid": os.getpid(), "state": self.state, "cell_started": self.cell_started,
+                "cell_ended": self.cell_ended, "written": time.time(), "flight_read_ns": self._flight_read_ns,
+                "newest": [dataclasses.asdict(e) | {"sizes": []} for e in self._newest],
+                "rss": psutil.Process().memory_info().rss, "device": self.device,
+                "device_bytes": accelerator_bytes(self.device)}
+
+    def _run(self) -> None:
+        while True:
+            watched = (self.folder / WATCHED).exists()
+            if watched:
+                try:
+                    write_json_atomically(record_path(self.folder, self.rank), self.report())
+                except Exception:  # a groups table changing under us, a folder being removed: next beat
+                    self._next_flight = 0.0
+            self._wake.wait(BEAT_S if watched else LOOK_S)
+            self._wake.clear()
+
+
+_BEACON: Beacon | None = None  # this process's, kept across a warm rank's resets
+
+
+def start(folder: Path, rank: int, device: str, since_ns: int) -> Beacon:
+    """Start this rank's beacon, or point the running one at ``folder`` and this start's collectives (a warm rank
+    reset for the next notebook: its cell events are registered once, its thread started once)."""
+    global _BEACON
+    from IPython import get_ipython
+
+    folder.mkdir(exist_ok=True)
+    if _BEACON is None:
+        _BEACON = Beacon(folder, rank, device, since_ns)
+        if (shell := get_ipython()) is not None:
+            # Not pre_run_cell / post_run_cell: ipyparallel's view.execute runs its cells silent, which skips them.
+            shell.events.register("pre_execute", _BEACON.cell_started_now)
+            shell.events.register("post_execute", _BEACON.cell_finished)
+        _BEACON.thread.start()
+    else:
+        _BEACON.folder, _BEACON.rank, _BEACON.device, _BEACON.since_ns = folder, rank, device, since_ns
+        _BEACON._counts, _BEACON._newest, _BEACON._next_flight = None, [], 0.0
+    _BEACON._wake.set()
+    return _BEACON
