@@ -31,10 +31,11 @@ from collections.abc import Sequence
 
 import ipyparallel as ipp
 
-from . import launch, procs, warm
+from . import beacon, launch, procs, warm
 from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
 from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
 from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
+from .panel import RankPanel
 from .px import ClusterError, PxCells, StatusLine, wait_for
 
 START_TIMEOUT_S = 120.0
@@ -122,7 +123,7 @@ class MPICluster:
         self.states: list[dict] = []
         self.start_seconds: float | None = None
         self.timings: dict[str, float] = {}
-        self._cluster = self.client = self.view = self._record = self._px = self._activated = None
+        self._cluster = self.client = self.view = self._record = self._px = self._activated = self._panel = None
 
     launcher = property(lambda self: self.engine_launcher.name, doc="What starts the engines: openmpi, mpich, slurm.")
     expected_method = property(lambda self: self.engine_launcher.expected_method,
@@ -234,6 +235,20 @@ class MPICluster:
         parked cluster belongs to its pool's keeper, not to this notebook)."""
         return [p.pid for p in procs.alive(self._record.processes)] if self._record and not self.parked else []
 
+    def panel(self) -> RankPanel:
+        """Every rank's state, updated live, also while a ``%%px`` cell runs (``panel.RankPanel``): running, idle or
+        failed, seconds in the cell, the last collective, memory, and whom waiting ranks wait for. Show it as the last
+        line of a cell. One per start of the cluster; ``stop()`` and ``restart()`` stop it."""
+        if self._panel is None:
+            self._panel = RankPanel(beacon.status_folder(self.profile_dir),
+                                    {s["rank"]: (s["hostname"], s["pid"]) for s in self.states})
+        return self._panel
+
+    def _stop_panel(self) -> None:
+        if self._panel is not None:
+            self._panel.stop()
+            self._panel = None
+
     def table(self) -> list[dict]:
         """Every rank's DistributedManager state, as rows."""
         return self.states
@@ -250,6 +265,7 @@ class MPICluster:
         alive and idle is parked instead, for the next notebook."""
         if self._px is not None:
             self._px.stop()
+        self._stop_panel()  # before parking: the ranks stop writing for a panel nobody will read
         if self._cluster is None or (self.pool is not None and self._park()):
             return
         self._shut_down()
@@ -271,6 +287,7 @@ class MPICluster:
         """Stop the cluster for good, parked or not."""
         if self._px is not None:
             self._px.stop()
+        self._stop_panel()
         if self._cluster is None:
             return
         cluster, self._cluster = self._cluster, None
