@@ -85,8 +85,8 @@ class Beacon:
         self.state, self.cell_started, self.cell_ended = "idle", None, None
         self._newest: list[flight.Entered] = []  # the newest collective of each group, as last read
         self._flight_read_ns, self._counts, self._next_flight = 0, None, 0.0
-        self._wake = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="shardlab-beacon", daemon=True)
+        self._wake, self._stopping = threading.Event(), threading.Event()
+        self.thread: threading.Thread | None = None
 
     def cell_started_now(self) -> None:
         self.state, self.cell_started, self.cell_ended = "running", time.time(), None
@@ -124,8 +124,23 @@ class Beacon:
                 "rss": psutil.Process().memory_info().rss, "device": self.device,
                 "device_bytes": accelerator_bytes(self.device)}
 
+    def start_thread(self) -> None:
+        """The thread that writes while watched, unless it runs already."""
+        if self.thread is None or not self.thread.is_alive():
+            self._stopping.clear()
+            self.thread = threading.Thread(target=self._run, name="shardlab-beacon", daemon=True)
+            self.thread.start()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the thread (the cell events stay: ``start`` brings the thread back); what a measurement of the beacon's
+        cost compares with (scripts/panel_overhead.py)."""
+        self._stopping.set()
+        self._wake.set()
+        self.thread.join(timeout=5)
+
     def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             watched = (self.folder / WATCHED).exists()
             if watched:
                 try:
@@ -152,9 +167,8 @@ def start(folder: Path, rank: int, device: str, since_ns: int) -> Beacon:
             # Not pre_run_cell / post_run_cell: ipyparallel's view.execute runs its cells silent, which skips them.
             shell.events.register("pre_execute", _BEACON.cell_started_now)
             shell.events.register("post_execute", _BEACON.cell_finished)
-        _BEACON.thread.start()
     else:
         _BEACON.folder, _BEACON.rank, _BEACON.device, _BEACON.since_ns = folder, rank, device, since_ns
         _BEACON._counts, _BEACON._newest, _BEACON._next_flight = None, [], 0.0
-    _BEACON._wake.set()
+    _BEACON.start_thread()
     return _BEACON
