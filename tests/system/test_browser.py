@@ -25,6 +25,7 @@ from browser_support import CHROMIUM_ARGS, chromium_environment, find_chromium, 
 from shardlab.ranks import procs
 
 REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
 ARTIFACTS = REPO / "test-artifacts"
 KERNEL, KERNEL_DISPLAY = "shardlab", "Python (shardlab: PhysicsNeMo distributed)"
 RUN_TIMEOUT_MS = 6 * 60_000  # the notebook starts ranks and measures them; the browser adds the UI's own work
@@ -55,10 +56,11 @@ def lab_with_browser(folder: Path, monkeypatch):
 
 
 @contextlib.contextmanager
-def notebook_in_lab(lab, notebook: str, artifact: str):
+def notebook_in_lab(lab, notebook: str, artifact: str, while_running=None):
     """A copy of ``notebook`` open in a new tab, every cell run (Run All), none failed: yields the page. On the way
     out the tab closes and the notebook's kernel is stopped (its cluster was stopped by its last cell); if the body
-    fails, a screenshot of what the UI showed goes to test-artifacts/ for CI."""
+    fails, a screenshot of what the UI showed goes to test-artifacts/ for CI. ``while_running(page)``: what to look
+    at while the cells run."""
     base, token, api, browser = lab
     for old in ARTIFACTS.glob(f"{artifact}*"):
         old.unlink()
@@ -75,6 +77,8 @@ def notebook_in_lab(lab, notebook: str, artifact: str):
 
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        if while_running is not None:
+            while_running(page)
         page.wait_for_function(RUN_FINISHED, timeout=RUN_TIMEOUT_MS, polling=1000)
         stderr = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
         tracebacks = [t for t in stderr.all_inner_texts() if "Traceback" in t or "CompositeError" in t]
@@ -158,3 +162,33 @@ def test_notebooks_run_in_jupyterlab_one_after_the_other_and_09s_widget_replans(
     assert not failed, "\n\n".join(f"{notebook}: {why}" for notebook, why in failed.items())
     # One start for them all: 10, 11 and 12 ran on the two engines 09 started, which waited between the notebooks.
     assert len(engines[0]) >= 2 and all(parked == engines[0] for parked in engines), engines
+
+
+def rank_panel_seconds(panel, rank: int) -> float:
+    """The seconds in the cell that the rank panel shows for ``rank``."""
+    cell = panel.locator("tr").nth(rank + 1).locator("td").nth(2)
+    return float(cell.inner_text().split(" s")[0])
+
+
+def watch_the_rank_panel(page) -> None:
+    """While the fixture's cells run: the panel counts a running cell's seconds, then names rank 1 while rank 0 waits
+    for it in an all_reduce. The kernel is busy in the cell all along: only the panel's own thread updates it."""
+    panel = page.locator(".widget-html-content").filter(has_text="last collective")
+    expect(panel.locator("tr").nth(1)).to_contain_text("running", timeout=120_000)
+    first = rank_panel_seconds(panel, 0)
+    page.wait_for_timeout(2000)
+    assert rank_panel_seconds(panel, 0) >= first + 1, "the panel did not update while the cell ran"
+    expect(panel).to_contain_text(re.compile(r"rank\(s\) \[0\] wait in all_reduce #\d+ of group \[0, 1\] for "
+                                             r"rank\(s\) \[1\]"), timeout=30_000)
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=ARTIFACTS / "lab_rank_panel.png")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(900)
+def test_the_rank_panel_updates_while_a_cell_runs_and_names_the_rank_others_wait_for(tmp_path, monkeypatch,
+                                                                                      no_leftovers):
+    shutil.copy(FIXTURES / "rank_panel.ipynb", tmp_path)
+    with lab_with_browser(tmp_path, monkeypatch) as lab:
+        with notebook_in_lab(lab, "rank_panel.ipynb", "lab_rank_panel", while_running=watch_the_rank_panel) as page:
+            expect(page.locator(".widget-html-content").filter(has_text="last collective")).to_contain_text("idle")

@@ -94,6 +94,7 @@ def read_records(folder: Path, ranks: list[int]) -> dict[int, dict | None]:
 
 COLUMNS = ("rank", "state", "cell", "last collective", "memory")
 COLOURS = {"running": "#1a7f37", "idle": "#57606a", "failed": "#cf222e"}  # any other state: orange
+CELL_STYLE = "text-align:left;padding:0 1.5em 0 0"
 
 
 def render(rows: list[dict], sentences: list[str]) -> str:
@@ -102,9 +103,9 @@ def render(rows: list[dict], sentences: list[str]) -> str:
         text = html.escape(str(row[column]))
         if column == "state":
             text = f'<b style="color:{COLOURS.get(row[column], "#bc4c00")}">{text}</b>'
-        return f'<td style="text-align:left;padding:0 1em 0 0">{text}</td>'
+        return f'<td style="{CELL_STYLE}">{text}</td>'
 
-    head = "".join(f'<th style="text-align:left">{c}</th>' for c in COLUMNS)
+    head = "".join(f'<th style="{CELL_STYLE}">{c}</th>' for c in COLUMNS)
     body = "".join(f"<tr>{''.join(cell(row, c) for c in COLUMNS)}</tr>" for row in rows)
     waits = "".join(f'<p style="color:#cf222e"><b>{html.escape(s)}</b></p>' for s in sentences)
     return f"<div><table><tr>{head}</tr>{body}</table>{waits}</div>"
