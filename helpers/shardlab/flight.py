@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 BUFFER = "TORCH_FR_BUFFER_SIZE"
 BUFFER_ENTRIES = 2000  # collectives kept per rank (torch's own default is 0: recording off)
 
 
+_initialised_ns = 0  # when this rank last joined a process group: what it entered before is another job's
+
+
 def enable() -> None:
     """Turn recording on for the process groups this process makes from now on (a rank's own choice wins)."""
+    global _initialised_ns
     os.environ.setdefault(BUFFER, str(BUFFER_ENTRIES))
+    _initialised_ns = time.time_ns()
 
 
 @dataclass(frozen=True)
@@ -44,19 +50,21 @@ def group_ranks() -> dict[str, tuple[int, ...]]:
     """Every process group of this rank, by the name the Flight Recorder records, as its global ranks."""
     import torch.distributed.distributed_c10d as c10d
 
-    return {pg.group_name: tuple(sorted(ranks)) for pg, ranks in c10d._world.pg_group_ranks.items()}
+    return {name: tuple(sorted(c10d._world.pg_group_ranks[pg])) for pg, name in c10d._world.pg_names.items()
+            if isinstance(pg, c10d.ProcessGroup) and pg in c10d._world.pg_group_ranks}
 
 
-def entered(since_ns: int = 0) -> list[Entered]:
+def entered(since_ns: int | None = None) -> list[Entered]:
     """On a rank: the collectives it entered (oldest first) that the recorder still holds, from ``since_ns`` on
-    (``time.time_ns()`` of an earlier moment: what a rank kept warm for the next notebook entered before is left
-    out). Empty when recording is off."""
+    (``time.time_ns()`` of an earlier moment), by default since the rank last joined a process group (a rank kept
+    warm for the next notebook recorded the last one's too, under group names that are used again). Empty when
+    recording is off."""
     import torch._C._distributed_c10d as c10d_c
 
     if not int(os.environ.get(BUFFER, "0") or 0):
         return []
-    names = group_ranks()
-    out = []
+    names, out = group_ranks(), []
+    since_ns = _initialised_ns if since_ns is None else since_ns
     for entry in json.loads(c10d_c._dump_fr_trace_json(True, False)).get("entries", []):
         name = entry["process_group"][0]
         if name not in names or entry.get("is_p2p") or entry["time_created_ns"] < since_ns:
@@ -92,14 +100,19 @@ def waits(records: dict[int, list[Entered]], read_ns: dict[int, int] | None = No
 
     ``records``: each rank's ``entered()``; a rank whose record could not be read is left out and counts as having
     entered nothing. ``read_ns``: when each rank's record was read, for records read while the ranks run (the
-    live panel): a rank read before the others entered the collective is not counted as missing it."""
+    live panel): a rank read before the others entered the collective is not counted as missing it.
+
+    In the order the waiting ranks entered them. A rank that skipped a collective often goes on into another one and
+    waits there for ranks stuck in the first: a cycle of waits, which the records show but cannot order by cause
+    (each rank's clock says when it entered, not which wait came first in the program); the code of the collectives
+    they name does."""
     last: dict[tuple[int, tuple], Entered] = {}  # (rank, group) -> its newest there
     for rank, entries in records.items():
         for e in entries:
             if (rank, e.group) not in last or e.seq > last[rank, e.group].seq:
                 last[rank, e.group] = e
     found = []
-    for group in sorted({g for _, g in last}):
+    for group in {g for _, g in last}:
         newest = {r: last.get((r, group)) for r in group}
         top = max(e.seq for e in newest.values() if e is not None)
         waiting = tuple(r for r, e in newest.items() if e is not None and e.seq == top)
@@ -108,4 +121,4 @@ def waits(records: dict[int, list[Entered]], read_ns: dict[int, int] | None = No
                         and (read_ns is None or read_ns.get(r, 0) > entered_at))
         if missing:
             found.append(Wait(newest[waiting[0]], waiting, missing, {r: newest[r] for r in missing}))
-    return found
+    return sorted(found, key=lambda w: w.entered.started_ns)

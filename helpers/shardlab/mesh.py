@@ -119,6 +119,9 @@ def scatter(tensor, global_src: int, mesh, placements, global_shape=None, dtype=
     from physicsnemo.domain_parallel import scatter_tensor
 
     ranks = mesh.mesh.flatten().tolist()
+    if mesh.ndim != len(placements):  # upstream hangs in a collective the ranks enter differently
+        raise MeshError(f"{len(placements)} placement(s) for a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}: "
+                        "give one placement per mesh axis, or pass the axis you scatter over, e.g. mesh['domain'].")
     if global_src not in ranks:
         raise MeshError(f"source rank {global_src} is not in this mesh (ranks {ranks}): use a global rank of the "
                         "mesh, e.g. dist.get_global_rank(mesh.get_group(), 0).")

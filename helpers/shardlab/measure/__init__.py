@@ -366,4 +366,5 @@ def max_diff_to_source(module, group, src: int) -> float:
     return worst.item()
 
 
+from . import timeline  # noqa: E402, F401  (lesson 14: where a step's time goes on each rank)
 from .host import FileReads, HostPeak, measure_loading  # noqa: E402, F401  (lesson 12; host imports this module)

@@ -1,0 +1,71 @@
+"""sl.measure.timeline without ranks: a trace's moments counted once each, by kind, inside the steps only; the step's
+own phases and its memory peak; the ranks' traces merged on one clock (notebook 14). Traces are built here, with the
+answer known from how they were built."""
+
+import json
+
+import pytest
+
+from shardlab.measure import timeline
+
+
+def x(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 7, "cat": cat}
+
+
+def step(ts, dur):
+    return x("step", ts, dur, cat="user_annotation")
+
+
+def test_each_moment_of_a_step_is_one_kind_and_overlaps_count_once():
+    events = [step(0, 100), step(200, 100),
+              x("aten::conv2d", 0, 60), x("aten::mm", 200, 100),  # the main thread's ops
+              x("gloo:all_to_all", 10, 20, tid=2), x("gloo:all_to_all", 20, 20, tid=3),  # 10..40 once, not 40
+              x("gloo:all_reduce", 50, 30, tid=2),  # over compute (50..60) and idle (60..80): the collective wins
+              x("gloo:all_reduce", 90, 60, tid=2),  # past the first step's end and into the gap: 90..100 only
+              x("c10d::allreduce_", 5, 1)]  # c10d's enqueue on the main thread is compute, not a collective
+    summary = timeline.summarize(events, rank=3)
+    seconds = {kind: timeline.length(spans) for kind, spans in summary["spans"].items()}
+    assert seconds == {"halo exchange": 30, "all-reduce": 40, "reduce-scatter / all-gather": 0,
+                       "scatter / broadcast": 0, "compute": 20 + 100, "idle": 10}
+    assert sum(timeline.shares(summary).values()) == pytest.approx(1)
+    assert timeline.communication_share(summary) == pytest.approx(70 / 200)
+    assert timeline.step_seconds(summary) == [1e-4, 1e-4]
+
+
+@pytest.mark.parametrize("name, kind", [("gloo:all_reduce", "all-reduce"), ("nccl:all_reduce", "all-reduce"),
+                                        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all-reduce"),
+                                        ("gloo:all_to_all", "halo exchange"), ("nccl:_reduce_scatter_base",
+                                                                               "reduce-scatter / all-gather"),
+                                        ("gloo:broadcast", "scatter / broadcast"), ("aten::all_reduce_like", None),
+                                        ("c10d::allreduce_", None), ("HaloPadding", None)])
+def test_collectives_are_known_by_their_backends_event_names(name, kind):
+    assert timeline.kind_of(name) == kind
+
+
+def test_the_peak_is_tied_to_the_steps_own_phase_not_a_librarys_annotation_inside_it():
+    memory = [{"ph": "i", "name": "[memory]", "ts": t, "tid": 1, "args": {"Total Allocated": b, "Device Type": 0}}
+              for t, b in ((5, 10), (30, 50), (60, 20), (500, 999))]  # the last one is after the steps
+    events = [step(0, 100), x("forward", 0, 40, cat="user_annotation"),
+              x("DistributedDataParallel.forward", 1, 38, cat="user_annotation"),
+              x("backward", 40, 50, cat="user_annotation"), *memory]
+    summary = timeline.summarize(events, rank=0)
+    assert [name for name, _, _ in summary["phases"]] == ["backward", "forward"]
+    assert timeline.memory_peak(summary) == {"bytes": 50, "at_us": 30, "phase": "forward"}
+
+
+def test_a_trace_without_steps_says_how_to_make_one():
+    with pytest.raises(ValueError, match="profile_steps"):
+        timeline.summarize([x("aten::mm", 0, 5)], rank=0)
+
+
+def test_traces_merge_on_one_clock_a_process_per_rank(tmp_path):
+    for rank, base in ((0, 1_000_000), (1, 2_000_000)):  # ns: rank 1's times count from 1 ms later
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(
+            {"baseTimeNanoseconds": base, "traceEvents": [step(10, 5)]}))
+    merged = json.loads(timeline.merge(tmp_path, tmp_path / "all.json").read_text())["traceEvents"]
+    steps = {e["pid"]: e["ts"] for e in merged if e.get("name") == "step"}
+    assert steps == {"rank 0": 1_010, "rank 1": 2_010}
+    assert {e["args"]["name"] for e in merged if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+    with pytest.raises(FileNotFoundError, match="profile_steps"):
+        timeline.merge(tmp_path / "none", tmp_path / "x.json")
