@@ -69,6 +69,11 @@ def test_a_report_from_before_the_panel_was_shown_is_no_report_yet():
     assert rows[0]["state"] == "no report yet"
 
 
+def test_a_last_collective_read_seconds_ago_says_so():
+    busy = report(0, read=NOW - 7, newest=[((0, 1), 900, "all_reduce", True, NOW - 7.5)])
+    assert panel.rank_rows({0: busy}, NOW)[0]["last collective"] == "all_reduce #900 of group [0, 1] (done, 7 s ago)"
+
+
 def test_accelerator_memory_is_shown_beside_the_host_memory():
     rows = panel.rank_rows({0: report(0, device_bytes=3 * 2**30)}, NOW)
     assert rows[0]["memory"] == "300 MiB RSS, 3.00 GiB on cuda:0"

@@ -6,9 +6,12 @@ since when, the last collective it entered, its memory) to ``<status folder>/ran
 ``panel`` reads. The folder sits in the cluster's profile folder, which the cluster removes when it stops.
 
 Costs nothing while nobody looks: the thread writes only while the panel's ``watched`` marker exists in the folder,
-and otherwise only checks for it once a second. Reading torch's Flight Recorder is the one expensive part (tens of
-milliseconds for a full buffer, holding the GIL), so a rank reads it again only when a group's collective count moved
-or a collective it saw was still in progress, and never more often than ``FLIGHT_SHARE`` of its time allows.
+and otherwise only checks for it once a second. Reading torch's Flight Recorder is the one expensive part (about
+50 ms for a full buffer of 2000 entries, holding the GIL, and every rank of a collective waits for the slowest), so a
+rank reads it again only when a group's collective count moved or a collective it saw was still in progress: within
+a second once the rank stops entering new collectives (it waits, is stuck or idle: what the panel is for), but only
+every ``FLIGHT_BUSY_EVERY_S`` while it enters them one after the other (a training loop, where the last one is stale
+the moment it is read anyway).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ STATUS = "rank-status"  # the folder, inside the cluster's profile folder
 WATCHED = "watched"  # present while a panel shows the ranks
 BEAT_S = 0.5  # a watched rank writes this often
 LOOK_S = 1.0  # an unwatched rank looks for the marker this often
-FLIGHT_EVERY_S = 1.0  # the Flight Recorder is read at most this often...
-FLIGHT_SHARE = 0.05  # ...and for at most this share of the rank's time
+FLIGHT_EVERY_S = 1.0  # the Flight Recorder of a rank that stopped entering collectives is read at most this often,
+FLIGHT_BUSY_EVERY_S = 10.0  # of a rank busy entering them, this often,
+FLIGHT_SHARE = 0.02  # and never for more than this share of the rank's time
 
 
 def status_folder(profile_dir: str | os.PathLike) -> Path:
@@ -84,7 +88,8 @@ class Beacon:
         self.folder, self.rank, self.device, self.since_ns = folder, rank, device, since_ns
         self.state, self.cell_started, self.cell_ended = "idle", None, None
         self._newest: list[flight.Entered] = []  # the newest collective of each group, as last read
-        self._flight_read_ns, self._counts, self._next_flight = 0, None, 0.0
+        self._flight_read_ns, self._counts, self._beat_counts = 0, None, None  # counts at the last read; last beat
+        self._last_flight, self._flight_cost = 0.0, 0.0  # when the Flight Recorder was last read, and how long it took
         self._wake, self._stopping = threading.Event(), threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -101,11 +106,12 @@ class Beacon:
         """Read the Flight Recorder again if it may hold something new; else only move the time the record is
         known to be current to now (what ``flight.waits`` compares with the others' collectives)."""
         now_ns, counts = time.time_ns(), group_counts()
-        unfinished = any(not e.done for e in self._newest)
-        if counts is not None and counts == self._counts and not unfinished:
+        moving, self._beat_counts = counts is None or counts != self._beat_counts, counts
+        if counts is not None and counts == self._counts and all(e.done for e in self._newest):
             self._flight_read_ns = now_ns
             return
-        if time.monotonic() < self._next_flight:
+        every_s = max(FLIGHT_BUSY_EVERY_S if moving else FLIGHT_EVERY_S, self._flight_cost / FLIGHT_SHARE)
+        if time.monotonic() < self._last_flight + every_s:
             return
         t0 = time.monotonic()
         newest: dict[tuple, flight.Entered] = {}
@@ -113,8 +119,7 @@ class Beacon:
             if e.group not in newest or e.seq > newest[e.group].seq:
                 newest[e.group] = e
         self._newest, self._counts, self._flight_read_ns = list(newest.values()), counts, now_ns
-        cost = time.monotonic() - t0
-        self._next_flight = t0 + max(FLIGHT_EVERY_S, cost / FLIGHT_SHARE)
+        self._last_flight, self._flight_cost = t0, time.monotonic() - t0
 
     def report(self) -> dict:
         self._read_flight()
@@ -146,7 +151,7 @@ class Beacon:
                 try:
                     write_json_atomically(record_path(self.folder, self.rank), self.report())
                 except Exception:  # a groups table changing under us, a folder being removed: next beat
-                    self._next_flight = 0.0
+                    self._last_flight = 0.0
             self._wake.wait(BEAT_S if watched else LOOK_S)
             self._wake.clear()
 
@@ -169,6 +174,6 @@ def start(folder: Path, rank: int, device: str, since_ns: int) -> Beacon:
             shell.events.register("post_execute", _BEACON.cell_finished)
     else:
         _BEACON.folder, _BEACON.rank, _BEACON.device, _BEACON.since_ns = folder, rank, device, since_ns
-        _BEACON._counts, _BEACON._newest, _BEACON._next_flight = None, [], 0.0
+        _BEACON._counts, _BEACON._newest, _BEACON._last_flight = None, [], 0.0
     _BEACON.start_thread()
     return _BEACON

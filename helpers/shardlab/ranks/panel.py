@@ -27,6 +27,7 @@ from . import beacon
 
 EVERY_S = 0.5  # the panel reads the ranks' files this often
 SILENT_S = 3.0  # a rank whose last report is older is not answering
+STALE_COLLECTIVE_S = 2.0  # a last collective read longer ago says how long
 WAIT_SHOWN_AFTER_S = 1.0  # ranks waiting less than this are just early: in a training step they always are
 
 
@@ -63,7 +64,9 @@ def rank_rows(records: dict[int, dict | None], now: float, watching_since: float
                 row["cell"] = f"{(ended or now) - started:.1f} s" + (" (last cell)" if ended else "")
             if entered := entered_from(record):
                 last = max(entered, key=lambda e: e.started_ns)
-                row["last collective"] = f"{last.label()} ({'done' if last.done else 'in progress'})"
+                age = now - record["flight_read_ns"] / 1e9  # a rank busy entering collectives is read less often
+                as_of = f", {age:.0f} s ago" if age >= STALE_COLLECTIVE_S else ""
+                row["last collective"] = f"{last.label()} ({'done' if last.done else 'in progress'}{as_of})"
             memory = [f"{mebibytes(record['rss'])} RSS"]
             if record.get("device_bytes") is not None:
                 memory.append(f"{mebibytes(record['device_bytes'])} on {record['device']}")
