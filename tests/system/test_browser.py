@@ -127,7 +127,8 @@ IN_THE_BROWSER = {"09_memory_planner.ipynb": (work_the_planners_widget, "lab_pla
                   "10_beyond_halos.ipynb": (figures_and_a_passed_check, "lab_10_beyond_halos"),
                   "11_memory_levers.ipynb": (figures_and_a_passed_check, "lab_11_memory_levers"),
                   "12_data_at_scale.ipynb": (figures_and_a_passed_check, "lab_12_data_at_scale"),
-                  "13_physicsnemo_models.ipynb": (figures_and_a_passed_check, "lab_13_physicsnemo_models")}
+                  "13_physicsnemo_models.ipynb": (figures_and_a_passed_check, "lab_13_physicsnemo_models"),
+                  "14_see_every_rank.ipynb": (figures_and_a_passed_check, "lab_14_see_every_rank")}
 
 
 def parked_engines() -> set[int]:
