@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 
 BUFFER = "TORCH_FR_BUFFER_SIZE"
-BUFFER_ENTRIES = 2000  # collectives kept per rank (torch's own default is 0: recording off)
+# Collectives kept per rank (torch's default, 0, records nothing): a hang needs the newest of each group, and a read
+# costs in proportion to what is kept (the live panel reads it while ranks run).
+BUFFER_ENTRIES = 500
 
 
 _initialised_ns = 0  # when this rank last joined a process group: what it entered before is another job's

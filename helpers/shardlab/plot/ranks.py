@@ -6,7 +6,7 @@ Drawn from the plain dicts ``sl.measure.timeline.summarize`` returns on each ran
 
 from __future__ import annotations
 
-from ._base import _LABEL_BOX, _category_colour, _new_figure, _plain, _plain_ticks, _units, rank_colour
+from ._base import _LABEL_BOX, _category_colour, _new_figure, _plain_ticks, _units, rank_colour
 
 # The kinds of use, as sl.measure.timeline names them (plot may not import measure: they share a layer).
 KINDS = ("halo exchange", "all-reduce", "reduce-scatter / all-gather", "scatter / broadcast", "compute", "idle")
@@ -74,13 +74,13 @@ def scaling(strong: list[dict], weak: list[dict], title: str | None = None):
         ax.plot(n, [1e3 * r["step_s"] for r in rows], "o-", color=rank_colour(0), label="measured")
         ax.plot(n, [1e3 * ideal(t1, k) for k in n], "--", color="grey", label="ideal")
         for r in rows:
-            ax.annotate(f"{_plain(100 * r['communication'])} % comm.", (r["N"], 1e3 * r["step_s"]), fontsize=7,
+            ax.annotate(f"{round(100 * r['communication'])} % comm.", (r["N"], 1e3 * r["step_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 6), bbox=_LABEL_BOX)
         ax.set_xscale("log", base=2)
         ax.set_xticks(n, [str(k) for k in n])
         ax.set_xlabel("domain ranks N")
         ax.set_ylabel("ms per step")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.2e3 * max(r["step_s"] for r in rows))  # room for the labels above the highest point
         _plain_ticks(ax.yaxis)
         ax.set_title(name, fontsize=10)
         ax.legend(fontsize=8)

@@ -6,12 +6,12 @@ since when, the last collective it entered, its memory) to ``<status folder>/ran
 ``panel`` reads. The folder sits in the cluster's profile folder, which the cluster removes when it stops.
 
 Costs nothing while nobody looks: the thread writes only while the panel's ``watched`` marker exists in the folder,
-and otherwise only checks for it once a second. Reading torch's Flight Recorder is the one expensive part (about
-50 ms for a full buffer of 2000 entries, holding the GIL, and every rank of a collective waits for the slowest), so a
-rank reads it again only when a group's collective count moved or a collective it saw was still in progress: within
-a second once the rank stops entering new collectives (it waits, is stuck or idle: what the panel is for), but only
-every ``FLIGHT_BUSY_EVERY_S`` while it enters them one after the other (a training loop, where the last one is stale
-the moment it is read anyway).
+and otherwise only checks for it once a second. Reading torch's Flight Recorder is the one expensive part (it
+holds the GIL, about 50 ms for 2000 entries, in proportion for the ``flight.BUFFER_ENTRIES`` kept, and every rank of
+a collective waits for the slowest), so a rank reads it again only when a group's collective count moved or a
+collective it saw was still in progress: within a second once the rank stops entering new collectives (it waits, is
+stuck or idle: what the panel is for), but only every ``FLIGHT_BUSY_EVERY_S`` while it enters them one after the
+other (a training loop, where the last one is stale the moment it is read anyway).
 """
 
 from __future__ import annotations
