@@ -43,6 +43,7 @@ class Entered:
     sizes: tuple = ()
     done: bool = True
     started_ns: int = 0
+    pg: str = ""  # the process group's name: two groups of the same ranks number their collectives apart
 
     def label(self) -> str:
         return f"{self.op} #{self.seq} of group {list(self.group)}"
@@ -74,7 +75,7 @@ def entered(since_ns: int | None = None) -> list[Entered]:
         out.append(Entered(group=names[name], seq=int(entry["collective_seq_id"]),
                            op=entry["profiling_name"].split(":")[-1], sizes=tuple(map(tuple, entry["input_sizes"])),
                            done=bool(entry.get("retired")) and entry.get("state") != "started",
-                           started_ns=int(entry["time_created_ns"])))
+                           started_ns=int(entry["time_created_ns"]), pg=name))
     return out
 
 
@@ -108,14 +109,14 @@ def waits(records: dict[int, list[Entered]], read_ns: dict[int, int] | None = No
     waits there for ranks stuck in the first: a cycle of waits, which the records show but cannot order by cause
     (each rank's clock says when it entered, not which wait came first in the program); the code of the collectives
     they name does."""
-    last: dict[tuple[int, tuple], Entered] = {}  # (rank, group) -> its newest there
+    last: dict[tuple[int, tuple], Entered] = {}  # (rank, (group's name, its ranks)) -> its newest there
     for rank, entries in records.items():
         for e in entries:
-            if (rank, e.group) not in last or e.seq > last[rank, e.group].seq:
-                last[rank, e.group] = e
+            if (rank, (e.pg, e.group)) not in last or e.seq > last[rank, (e.pg, e.group)].seq:
+                last[rank, (e.pg, e.group)] = e
     found = []
-    for group in {g for _, g in last}:
-        newest = {r: last.get((r, group)) for r in group}
+    for key in {k for _, k in last}:
+        newest = {r: last.get((r, key)) for r in key[1]}
         top = max(e.seq for e in newest.values() if e is not None)
         waiting = tuple(r for r, e in newest.items() if e is not None and e.seq == top)
         entered_at = min(newest[r].started_ns for r in waiting)

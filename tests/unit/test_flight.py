@@ -41,3 +41,11 @@ def test_a_record_read_before_the_others_entered_is_not_a_wait():
     records = {0: new, 1: new, 2: new, 3: old}
     assert waits(records, read_ns={0: 5, 1: 5, 2: 5, 3: 1}) == []  # rank 3 was read at t = 1: it may be there now
     assert [w.missing for w in waits(records, read_ns={0: 5, 1: 5, 2: 5, 3: 9})] == [(3,)]
+
+
+def test_two_groups_of_the_same_ranks_are_numbered_apart():
+    world_group = [Entered(PAIR, 5, "all_reduce", (), True, 1, pg="0")]
+    pair_group = [Entered(PAIR, 2, "broadcast", (), True, 2, pg="1")]
+    assert waits({2: world_group + pair_group, 3: world_group + pair_group}) == []
+    [wait] = waits({2: world_group + pair_group, 3: world_group})
+    assert (wait.entered.pg, wait.waiting, wait.missing) == ("1", (2,), (3,))

@@ -116,8 +116,8 @@ class Beacon:
         t0 = time.monotonic()
         newest: dict[tuple, flight.Entered] = {}
         for e in flight.entered(self.since_ns):
-            if e.group not in newest or e.seq > newest[e.group].seq:
-                newest[e.group] = e
+            if (e.pg, e.group) not in newest or e.seq > newest[(e.pg, e.group)].seq:
+                newest[(e.pg, e.group)] = e
         self._newest, self._counts, self._flight_read_ns = list(newest.values()), counts, now_ns
         self._last_flight, self._flight_cost = t0, time.monotonic() - t0
 

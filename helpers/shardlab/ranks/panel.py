@@ -34,7 +34,7 @@ WAIT_SHOWN_AFTER_S = 1.0  # ranks waiting less than this are just early: in a tr
 def entered_from(record: dict) -> list[flight.Entered]:
     """The newest collective of each group, as a rank's report holds them."""
     return [flight.Entered(group=tuple(e["group"]), seq=e["seq"], op=e["op"], done=e["done"],
-                           started_ns=e["started_ns"]) for e in record.get("newest", [])]
+                           started_ns=e["started_ns"], pg=e.get("pg", "")) for e in record.get("newest", [])]
 
 
 def state_of(record: dict | None, now: float, watching_since: float, gone: bool) -> str:
