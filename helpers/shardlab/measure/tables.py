@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..data import field_store, load_darcy, open_store
 from ..mesh import build_mesh
-from ..models import conv_stack
+from ..models import conv_stack, unet
 from ..ranks.launch import (
     JobFailed,
     default_device,
@@ -32,6 +32,7 @@ from . import (
     ideal_activation_ratio,
     state_bytes,
     synchronize,
+    timeline,
 )
 from .host import LOADERS, measure_loading
 
@@ -176,12 +177,36 @@ def tf32_error_table(args) -> dict:
             "rank": 0, "world_size": 1, "backend": None, "device": str(device), "rows": rows}
 
 
+def scaling_table(args) -> dict:
+    """Notebook 14's scaling, on every rank: the small U-Net's step (DDP on ``ddp``) at each domain size N, on one
+    128 x 64 field (strong) and on 32 rows per rank (weak); per N the slowest rank's median step and the ranks' mean
+    share with a collective in flight."""
+    state = init_distributed(args.timeout)
+    small_unet = lambda: unet(width=8, levels=3, seed=0)  # noqa: E731
+    rows = []
+    for name, heights in (("strong", {n: 128 for n in args.sizes}), ("weak", {n: 32 * n for n in args.sizes})):
+        everyone = _gather_rows(timeline.scaling(small_unet, heights))
+        for per_rank in zip(*everyone):
+            step_s = max(r["step_s"] for r in per_rank)
+            rows.append({"scaling": name, "N": per_rank[0]["N"], "rows_per_rank": per_rank[0]["rows per rank"],
+                         "step_s": step_s, "communication": sum(r["communication"] for r in per_rank) / len(per_rank)})
+    for r in rows:
+        first = next(f for f in rows if f["scaling"] == r["scaling"])
+        r["ideal_step_s"] = first["step_s"] * (first["N"] / r["N"] if r["scaling"] == "strong" else 1)
+    return {"title": "scaling: unet(width=8, levels=3) forward+backward+SGD, DDP on ddp, the field over N domain "
+                     "ranks, 3 profiled steps after one" + ("" if state.device.startswith("cuda")
+                                                           else "; CPU ranks: the shape, not a GPU claim"),
+            "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "rows": rows}
+
+
 TABLES = {
     "activation-memory": (activation_memory_table, 4, {"sizes": [1, 2, 4], "width": 16, "layers": 3}),
     "state-memory": (state_memory_table, 4, {"sizes": [1, 2, 4], "width": 64, "layers": 4}),
     "loading-memory": (loading_memory_table, 4, {"sizes": [2, 4]}),
     "compile-speed": (compile_speed_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
     "tf32-error": (tf32_error_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
+    "scaling": (scaling_table, 4, {"sizes": [1, 2, 4]}),
 }
 
 

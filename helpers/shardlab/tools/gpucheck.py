@@ -108,6 +108,9 @@ def plan(gpus: int) -> list[dict]:
                     "checkpointing, bf16, domain "
                     f"{sorted({1, 2, 4} & {n for n in sizes if max(gpus, 1) % n == 0}) or [1]})",
          max(gpus, 1), 1, 400),
+        ("scaling", f"strong and weak scaling of notebook 14's step, N in {sizes}: step time, ideal and the share "
+                    "with a collective in flight (recorded, not judged: it depends on the GPUs and their links)",
+         max(sizes), 2, 300),
         ("compile-speed", f"compiled step within {COMPILED_VS_EAGER_ERROR:g} of eager; eager vs compiled step time "
                           "and the compile time, synchronised", 1, 1, 300),
         ("tf32-error", f"TF32 error of a conv stack vs fp64 below {TF32_ERROR:g}, and below {STRICT_FP32_ERROR:g} "
@@ -165,6 +168,11 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
         return f"on {label}: " + "; ".join(cells), _on_cuda(report, label) and all(peak in r for r in report["rows"])
     if name == "planner":
         return plan_gpu_check(gpus, budget)
+    if name == "scaling":
+        report, label = _measure(name, max(sizes), sizes, budget)
+        cells = [f"{r['scaling']} N={r['N']} {r['step_s'] * 1e3:.1f} ms (ideal {r['ideal_step_s'] * 1e3:.1f}, "
+                 f"{100 * r['communication']:.0f} % comm.)" for r in report["rows"]]
+        return f"on {label}: " + "; ".join(cells), _on_cuda(report, label)
     if name == "compile-speed":
         report, label = _measure(name, 1, [1], budget)
         r = report["rows"][0]
