@@ -129,6 +129,7 @@ IN_THE_BROWSER = {"09_memory_planner.ipynb": (work_the_planners_widget, "lab_pla
                   "12_data_at_scale.ipynb": (figures_and_a_passed_check, "lab_12_data_at_scale"),
                   "13_physicsnemo_models.ipynb": (figures_and_a_passed_check, "lab_13_physicsnemo_models"),
                   "14_see_every_rank.ipynb": (figures_and_a_passed_check, "lab_14_see_every_rank")}
+RESTART_THEIR_RANKS = {"14_see_every_rank.ipynb"}  # the last notebook here: the ones after it would run on its ranks
 
 
 def parked_engines() -> set[int]:
@@ -161,8 +162,13 @@ def test_notebooks_run_in_jupyterlab_one_after_the_other_and_09s_widget_replans(
                 failed[notebook] = f"{type(error).__name__}: {error}"[-3000:]
             engines.append(parked_engines())
     assert not failed, "\n\n".join(f"{notebook}: {why}" for notebook, why in failed.items())
-    # One start for them all: 10, 11 and 12 ran on the two engines 09 started, which waited between the notebooks.
-    assert len(engines[0]) >= 2 and all(parked == engines[0] for parked in engines), engines
+    # One start for them all: 10 to 13 ran on the two engines 09 started, which waited between the notebooks. 14
+    # restarts its ranks after its hang, on purpose (a process group that timed out is broken for good): its fresh
+    # engines are the ones parked after it.
+    before = [parked for notebook, parked in zip(IN_THE_BROWSER, engines) if notebook not in RESTART_THEIR_RANKS]
+    assert len(engines[0]) >= 2 and all(parked == engines[0] for parked in before), engines
+    assert all(len(parked) >= 2 and parked != engines[0] for notebook, parked in zip(IN_THE_BROWSER, engines)
+               if notebook in RESTART_THEIR_RANKS), engines
 
 
 def rank_panel_seconds(panel, rank: int) -> float:
