@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         conditions = {
             "no beacon": lambda: (panel.stop(), cluster.run("beacon._BEACON.stop()")),
             "hidden": lambda: (panel.stop(), cluster.run("beacon.start(beacon._BEACON.folder, dist.get_rank(), "
-                                                         "beacon._BEACON.device, beacon._BEACON.since_ns)")),
+                                                         "beacon._BEACON.device)")),
             "shown": panel.watch,
         }
         times = {name: [] for name in conditions}

@@ -84,8 +84,8 @@ class Beacon:
     """One rank's reporter: IPython's cell events give its state (a cell that raised leaves it "failed"), a daemon
     thread writes it while watched."""
 
-    def __init__(self, folder: Path, rank: int, device: str, since_ns: int):
-        self.folder, self.rank, self.device, self.since_ns = folder, rank, device, since_ns
+    def __init__(self, folder: Path, rank: int, device: str):
+        self.folder, self.rank, self.device = folder, rank, device
         self.state, self.cell_started, self.cell_ended = "idle", None, None
         self._newest: list[flight.Entered] = []  # the newest collective of each group, as last read
         self._flight_read_ns, self._counts, self._beat_counts = 0, None, None  # counts at the last read; last beat
@@ -115,7 +115,7 @@ class Beacon:
             return
         t0 = time.monotonic()
         newest: dict[tuple, flight.Entered] = {}
-        for e in flight.entered(self.since_ns):
+        for e in flight.entered():  # since this rank last joined a process group
             if (e.pg, e.group) not in newest or e.seq > newest[(e.pg, e.group)].seq:
                 newest[(e.pg, e.group)] = e
         self._newest, self._counts, self._flight_read_ns = list(newest.values()), counts, now_ns
@@ -159,7 +159,7 @@ class Beacon:
 _BEACON: Beacon | None = None  # this process's, kept across a warm rank's resets
 
 
-def start(folder: Path, rank: int, device: str, since_ns: int) -> Beacon:
+def start(folder: Path, rank: int, device: str) -> Beacon:
     """Start this rank's beacon, or point the running one at ``folder`` and this start's collectives (a warm rank
     reset for the next notebook: its cell events are registered once, its thread started once)."""
     global _BEACON
@@ -167,13 +167,13 @@ def start(folder: Path, rank: int, device: str, since_ns: int) -> Beacon:
 
     folder.mkdir(exist_ok=True)
     if _BEACON is None:
-        _BEACON = Beacon(folder, rank, device, since_ns)
+        _BEACON = Beacon(folder, rank, device)
         if (shell := get_ipython()) is not None:
             # Not pre_run_cell / post_run_cell: ipyparallel's view.execute runs its cells silent, which skips them.
             shell.events.register("pre_execute", _BEACON.cell_started_now)
             shell.events.register("post_execute", _BEACON.cell_finished)
     else:
-        _BEACON.folder, _BEACON.rank, _BEACON.device, _BEACON.since_ns = folder, rank, device, since_ns
+        _BEACON.folder, _BEACON.rank, _BEACON.device = folder, rank, device
         _BEACON._counts, _BEACON._newest, _BEACON._last_flight = None, [], 0.0
     _BEACON.start_thread()
     return _BEACON

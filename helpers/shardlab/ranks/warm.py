@@ -243,12 +243,11 @@ def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dic
     handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the environment the rank was
     started with (before any import wrote into it: torch sets its compile cache folder there, inside the temp folder
     of the kernel that started the rank)."""
-    since_ns = time.time_ns()  # the collectives of this start, not of a previous notebook's, for the beacon
     os.environ.update(rendezvous)
     devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
     state = launch.init_distributed(timeout_s).as_row()
     if (folder := beacon.engine_status_folder()) is not None:  # what the kernel's rank panel reads
-        beacon.start(folder, state["rank"], state["device"], since_ns)
+        beacon.start(folder, state["rank"], state["device"])
     if not _SERIES_STATE:
         import torch
         from physicsnemo.domain_parallel import ShardTensor
