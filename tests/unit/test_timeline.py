@@ -69,3 +69,13 @@ def test_traces_merge_on_one_clock_a_process_per_rank(tmp_path):
     assert {e["args"]["name"] for e in merged if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
     with pytest.raises(FileNotFoundError, match="profile_steps"):
         timeline.merge(tmp_path / "none", tmp_path / "x.json")
+
+
+def test_across_ranks_takes_the_slowest_rank_and_the_ideal_from_the_first_size():
+    rank_0 = [{"N": 1, "rows per rank": 128, "step_s": 0.10, "communication": 0.2},
+              {"N": 2, "rows per rank": 64, "step_s": 0.08, "communication": 0.4}]
+    rank_1 = [dict(rank_0[0], step_s=0.12, communication=0.4), dict(rank_0[1], step_s=0.06, communication=0.6)]
+    strong = timeline.across_ranks([rank_0, rank_1], strong=True)
+    assert [(r["N"], r["step_s"], r["ideal_s"]) for r in strong] == [(1, 0.12, 0.12), (2, 0.08, 0.06)]
+    assert [r["communication"] for r in strong] == pytest.approx([0.3, 0.5])
+    assert [r["ideal_s"] for r in timeline.across_ranks([rank_0, rank_1], strong=False)] == [0.12, 0.12]

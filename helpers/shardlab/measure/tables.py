@@ -186,13 +186,7 @@ def scaling_table(args) -> dict:
     rows = []
     for name, heights in (("strong", {n: 128 for n in args.sizes}), ("weak", {n: 32 * n for n in args.sizes})):
         everyone = _gather_rows(timeline.scaling(small_unet, heights))
-        for per_rank in zip(*everyone):
-            step_s = max(r["step_s"] for r in per_rank)
-            rows.append({"scaling": name, "N": per_rank[0]["N"], "rows_per_rank": per_rank[0]["rows per rank"],
-                         "step_s": step_s, "communication": sum(r["communication"] for r in per_rank) / len(per_rank)})
-    for r in rows:
-        first = next(f for f in rows if f["scaling"] == r["scaling"])
-        r["ideal_step_s"] = first["step_s"] * (first["N"] / r["N"] if r["scaling"] == "strong" else 1)
+        rows += [{"scaling": name, **r} for r in timeline.across_ranks(everyone, strong=name == "strong")]
     return {"title": "scaling: unet(width=8, levels=3) forward+backward+SGD, DDP on ddp, the field over N domain "
                      "ranks, 3 profiled steps after one" + ("" if state.device.startswith("cuda")
                                                            else "; CPU ranks: the shape, not a GPU claim"),

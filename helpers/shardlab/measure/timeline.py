@@ -259,3 +259,14 @@ def scaling(make_model, heights: dict[int, int], width: int = 64, steps: int = 3
         rows.append({"N": n, "rows per rank": -(-height // n), "step_s": statistics.median(step_seconds(summary)),
                      "communication": communication_share(summary)})
     return rows
+
+
+def across_ranks(per_rank: list[list[dict]], strong: bool) -> list[dict]:
+    """Every rank's ``scaling`` rows as one table: per N, the slowest rank's median step (a step ends when its
+    slowest rank's does), the ranks' mean share with a collective in flight, and the ideal step from the first N:
+    t·N₀/N in strong scaling (one field), t in weak scaling (the field grows with N)."""
+    rows = [{"N": mine[0]["N"], "rows per rank": mine[0]["rows per rank"], "step_s": max(r["step_s"] for r in mine),
+             "communication": sum(r["communication"] for r in mine) / len(mine)} for mine in zip(*per_rank)]
+    for r in rows:
+        r["ideal_s"] = rows[0]["step_s"] * (rows[0]["N"] / r["N"] if strong else 1)
+    return rows

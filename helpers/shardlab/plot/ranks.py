@@ -64,15 +64,14 @@ def time_by_rank(summaries, title: str | None = None):
 
 def scaling(strong: list[dict], weak: list[dict], title: str | None = None):
     """Step time against the number of domain ranks N, measured, beside the ideal: strong scaling (one field, so
-    ideal = t(1) / N) and weak scaling (the field grows with N, so ideal = t(1)). Rows: {"N", "step_s"}."""
+    ideal = t(1) / N) and weak scaling (the field grows with N, so ideal = t(1)). Rows: ``timeline.across_ranks``'s
+    {"N", "step_s", "ideal_s", "communication"}."""
     fig = _new_figure(figsize=(10, 3.6))
-    for i, (rows, name, ideal) in enumerate(((strong, "strong: one field", lambda t1, n: t1 / n),
-                                             (weak, "weak: the field grows with N", lambda t1, n: t1))):
+    for i, (rows, name) in enumerate(((strong, "strong: one field"), (weak, "weak: the field grows with N"))):
         ax = fig.add_subplot(1, 2, i + 1)
         n = [r["N"] for r in rows]
-        t1 = next(r["step_s"] for r in rows if r["N"] == 1)
         ax.plot(n, [1e3 * r["step_s"] for r in rows], "o-", color=rank_colour(0), label="measured")
-        ax.plot(n, [1e3 * ideal(t1, k) for k in n], "--", color="grey", label="ideal")
+        ax.plot(n, [1e3 * r["ideal_s"] for r in rows], "--", color="grey", label="ideal")
         for r in rows:
             ax.annotate(f"{round(100 * r['communication'])} % comm.", (r["N"], 1e3 * r["step_s"]), fontsize=7,
                         textcoords="offset points", xytext=(4, 6), bbox=_LABEL_BOX)

@@ -170,7 +170,7 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
         return plan_gpu_check(gpus, budget)
     if name == "scaling":
         report, label = _measure(name, max(sizes), sizes, budget)
-        cells = [f"{r['scaling']} N={r['N']} {r['step_s'] * 1e3:.1f} ms (ideal {r['ideal_step_s'] * 1e3:.1f}, "
+        cells = [f"{r['scaling']} N={r['N']} {r['step_s'] * 1e3:.1f} ms (ideal {r['ideal_s'] * 1e3:.1f}, "
                  f"{100 * r['communication']:.0f} % comm.)" for r in report["rows"]]
         return f"on {label}: " + "; ".join(cells), _on_cuda(report, label)
     if name == "compile-speed":
