@@ -97,7 +97,7 @@ define fresh_venv
 endef
 
 .PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout env lock clean-env \
-	kernel-user slurm-start slurm-stop timings
+	kernel-user slurm-start slurm-stop timings test-sizes
 
 # The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
 # `make handout` writes; `make lab-handout` builds it, then opens it).
@@ -140,6 +140,12 @@ test: $(STAMP)
 # chromium where missing, writes /etc/slurm and /etc/munge, and runs a single-node Slurm for the run's duration.
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
+
+# Every notebook at every world size it is tested at, 11 to 14 at 8 ranks included (about 10 minutes more than
+# `make test` runs them for).
+test-sizes: $(STAMP)
+	SHARDLAB_TEST_ALL_SIZES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal \
+		tests/notebooks/test_notebooks.py -k test_notebook_runs_at_other_world_sizes
 
 # What needs no ranks, no notebooks and no browser: the loop to run after every change.
 test-fast: $(STAMP)
