@@ -125,9 +125,11 @@ kernel-user:
 	@test -x $(VENV)/bin/python || { echo "no $(VENV) yet: run make env first" >&2; exit 1; }
 	$(call install_kernel,--user,$(if $(USER_JUPYTER_DATA_DIR),JUPYTER_DATA_DIR=$(USER_JUPYTER_DATA_DIR),-u JUPYTER_DATA_DIR))
 
-# A single-node Slurm (and MPICH) on this machine, as root, for the Slurm tests and to try the Slurm recipe.
+# A Slurm (and MPICH) on this machine, as root, for the Slurm tests and to try the Slurm recipe: two nodes in network
+# namespaces of their own, this machine their login node (SLURM_NODES=1: this machine is the node).
+SLURM_NODES ?= 2
 slurm-start:
-	bash scripts/local-slurm.sh start
+	bash scripts/local-slurm.sh start --nodes $(SLURM_NODES)
 slurm-stop:
 	bash scripts/local-slurm.sh stop
 
@@ -137,7 +139,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test.xml
 
 # `make test` that may set the machine up first (what CI does; as root): installs Debian's slurm-wlm, munge, mpich and
-# chromium where missing, writes /etc/slurm and /etc/munge, and runs a single-node Slurm for the run's duration.
+# chromium where missing, writes /etc/slurm and /etc/munge, and runs a two-node Slurm for the run's duration.
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
 

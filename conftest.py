@@ -3,14 +3,14 @@ categories (markers), and the guard that fails a run which leaves cluster or lau
 behind. The guard only sees processes started from this run (they inherit its SHARDLAB_ORIGIN),
 so a learner's open cluster or another user's MPI job is never reported, let alone killed.
 
-Tests marked ``slurm`` need a Slurm, tests marked ``mpich`` MPICH's mpiexec, the browser test Chromium.
-They run where the machine already has them (a single-node Slurm of scripts/local-slurm.sh that is up,
-``mpiexec.mpich`` on PATH, a Chromium), and otherwise skip with one line that says how to enable them.
+Tests marked ``slurm`` need a Slurm, ``two_nodes`` its two-node mode, ``mpich`` MPICH's mpiexec, the browser test
+Chromium. They run where the machine already has them (a Slurm of scripts/local-slurm.sh that is up, single-node or
+two-node, ``mpiexec.mpich`` on PATH, a Chromium), and otherwise skip with one line that says how to enable them.
 Only with SHARDLAB_SYSTEM_SETUP=1 (``make test-system``, what CI runs) does the run set the machine up:
-the first such test starts a single-node Slurm with scripts/local-slurm.sh (which installs Debian's
+the first such test starts the two-node Slurm with scripts/local-slurm.sh (which installs Debian's
 packages where missing), once per run (a file lock keeps two xdist workers from doing it twice), and
-the run stops it at the end. Without it, a run that changed the machine outside the checkout and the
-temp folder fails (tests/support/machine_changes.py).
+the run stops it at the end, and fails if its namespaces, interfaces or mounts outlive the stop. Without it, a run
+that changed the machine outside the checkout and the temp folder fails (tests/support/machine_changes.py).
 
 Notebooks attach to warm ranks: each process that runs tests (each xdist worker) has a pool of warm clusters
 (shardlab.ranks.warm) that tests/support/notebook_runner.py gives the notebooks it runs, so a notebook's
@@ -57,48 +57,96 @@ LOCAL_SLURM = Path(__file__).parent / "scripts" / "local-slurm.sh"
 SLURM_STATE = Path("/run/shardlab-slurm")
 MACHINE_BEFORE = pytest.StashKey[machine_changes.Snapshot]()
 _needs: dict[str, str | None] = {}  # "slurm"/"mpich" -> None when usable, else why not (once per process)
+_slurm_found: dict = {}  # nodes and shared folder of the Slurm found up or started (once per process)
 WARM_POOL_FOR_NOTEBOOKS = "SHARDLAB_TEST_WARM_POOL"
 ENABLE = f"`sudo make test-system` sets this machine up for them ({machine_changes.SYSTEM_SETUP}=1)"
 
 
-def _local_slurm(command: str) -> tuple[int, str]:
-    """Run scripts/local-slurm.sh COMMAND (start and stop under a lock shared by every worker of this machine)."""
+def _local_slurm(*command: str) -> tuple[int, str, str]:
+    """Run scripts/local-slurm.sh COMMAND (start and stop under a lock shared by every worker of this machine): its exit
+    code, stdout, and the last line of stderr."""
     env = os.environ | {"SHARDLAB_ORIGIN": SESSION_ORIGIN}
     with contextlib.ExitStack() as held:
-        if command != "status":
+        if command[0] != "status":
             lock = held.enter_context(open(Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-local-slurm.lock",
                                            "a"))
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker installs and starts; the other waits, then finds it up
-        out = subprocess.run(["bash", str(LOCAL_SLURM), command], capture_output=True, text=True, env=env,
+        out = subprocess.run(["bash", str(LOCAL_SLURM), *command], capture_output=True, text=True, env=env,
                              timeout=600)
-    return out.returncode, (out.stderr.strip().splitlines() or ["(no message)"])[-1].removeprefix("local-slurm: ")
+    said = (out.stderr.strip().splitlines() or ["(no message)"])[-1].removeprefix("local-slurm: ")
+    return out.returncode, out.stdout.strip(), said
+
+
+def _slurm() -> tuple[int, str | None, str]:
+    """(nodes, shared folder, why not) of the Slurm the tests use, once per process: scripts/local-slurm.sh's two
+    nodes, else its single node, each when up; with the opt-in, two nodes started here; else (0, None, why not)."""
+    if "slurm" not in _needs:
+        code, shared, said = _local_slurm("status", "--nodes", "2")
+        if code == 0:
+            _slurm_found.update(nodes=2, shared=shared)
+        elif _local_slurm("status")[0] == 0:
+            _slurm_found.update(nodes=1, shared=None)
+        elif machine_changes.setup_allowed():
+            code, _, said = _local_slurm("start", "--nodes", "2")
+            if code == 0:
+                _slurm_found.update(nodes=2, shared=_local_slurm("status", "--nodes", "2")[1])
+            else:
+                said = f"no two-node Slurm here: {said}"
+        elif code != 3:
+            said = f"{said}: `sudo make slurm-start` starts one, or {ENABLE}"
+        _needs["slurm"] = None if _slurm_found else said
+    return _slurm_found.get("nodes", 0), _slurm_found.get("shared"), _needs["slurm"] or ""
 
 
 def _why_not(need: str) -> str | None:
     """None when this machine has what tests marked ``need`` use, else one line: why not, and how to enable it.
     Only with the opt-in does it install or start anything (scripts/local-slurm.sh start installs MPICH too)."""
-    if need not in _needs:
-        if os.environ.get("SHARDLAB_TEST_SLURM") == "off":
-            _needs[need] = "SHARDLAB_TEST_SLURM=off"
-        elif need == "mpich":
+    if os.environ.get("SHARDLAB_TEST_SLURM") == "off":
+        return "SHARDLAB_TEST_SLURM=off"
+    if need == "mpich":
+        if "mpich" not in _needs:
             if not shutil.which("mpiexec.mpich") and machine_changes.setup_allowed():
-                _local_slurm("start")
+                _local_slurm("start", "--nodes", "2")
             _needs[need] = None if shutil.which("mpiexec.mpich") else (
                 f"MPICH's mpiexec.mpich is not installed: `sudo apt-get install mpich`, or {ENABLE}")
-        elif (status := _local_slurm("status"))[0] == 0:
-            _needs[need] = None
-        elif not machine_changes.setup_allowed():
-            _needs[need] = f"{status[1]}: `sudo make slurm-start` starts one, or {ENABLE}"
-        else:
-            code, said = _local_slurm("start")
-            _needs[need] = None if code == 0 else f"no single-node Slurm here: {said}"
-    return _needs[need]
+        return _needs[need]
+    nodes, _, why = _slurm()
+    if need == "two_nodes" and nodes == 1:
+        return ("the Slurm of scripts/local-slurm.sh that is up has one node: `sudo scripts/local-slurm.sh stop`, "
+                f"then `sudo scripts/local-slurm.sh start --nodes 2` starts two, or {ENABLE}")
+    return why or None
+
+
+def _left_of_the_nodes() -> list[str]:
+    """The two-node Slurm's namespaces, interfaces and mounts still there (after its stop: none)."""
+    run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout  # noqa: E731
+    names = run("ip", "netns", "list").split() + run("ip", "-o", "link").replace("@", " ").replace(":", " ").split()
+    mounts = Path("/proc/self/mounts").read_text().split()
+    return sorted({n for n in names if n.startswith(("shardlab-node", "sh-node", "shardlab-br"))}
+                  | {m for m in mounts if m.startswith(str(SLURM_STATE))})
 
 
 def pytest_runtest_setup(item):
-    for need in ("slurm", "mpich"):
+    for need in ("slurm", "two_nodes", "mpich"):
         if item.get_closest_marker(need) and (why := _why_not(need)):
             pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def _on_the_slurm(request, monkeypatch):
+    """A test marked ``slurm`` on two nodes gets their shared folder (SHARDLAB_SHARED_DIR), as a user of a cluster
+    sets it, and shares the nodes with the other worker's Slurm tests; one marked ``whole_slurm`` (a node taken
+    down) has them to itself."""
+    if not request.node.get_closest_marker("slurm"):
+        yield
+        return
+    nodes, shared, _ = _slurm()
+    if shared:
+        monkeypatch.setenv("SHARDLAB_SHARED_DIR", shared)
+    alone = request.node.get_closest_marker("whole_slurm") is not None
+    with open(Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-slurm-nodes.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None) -> list:
@@ -210,9 +258,12 @@ def pytest_sessionfinish(session, exitstatus):
     except OSError:
         started_here = False
     if started_here:  # a Slurm this run started is stopped by it; one that was up before is left running
-        code, said = _local_slurm("stop")
+        code, _, said = _local_slurm("stop")
         if code != 0:
             print(f"\nscripts/local-slurm.sh stop failed: {said}")
+        if left := _left_of_the_nodes():
+            print(f"\nFAILED: scripts/local-slurm.sh stop left {left}")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if MACHINE_BEFORE in session.config.stash:
         changed = machine_changes.compare(session.config.stash[MACHINE_BEFORE], machine_changes.snapshot())
         if changed and machine_changes.setup_allowed():

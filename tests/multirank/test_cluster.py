@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardlab as sl
-from shardlab.ranks import bringup, engines, launch, programs
+from shardlab.ranks import bringup, engines, launch, procs, programs
 from shardlab.ranks import cluster as cl
 from shardlab.ranks.devices import usable_cores
 from world_sizes import DEFAULT_SIZE
@@ -266,7 +266,30 @@ def test_sbatch_engines_are_one_job_whose_script_is_in_the_profile(tmp_path):
     assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script
     assert "\nsrun --kill-on-bad-exit=1 " in script and "ipengine" in script and "--mpi" not in script
     assert engine_set.get_env()["SHARDLAB_ORIGIN"] and engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert "#SBATCH --no-requeue\n" in script and f"#SBATCH --comment={procs.origin()}\n" in script
+    # Nodes use their own temp folder, and an IPython folder in the profile: nothing of this node's on theirs.
+    assert engine_set.get_env()["TMPDIR"] == "" and engine_set.get_env()["IPYTHONDIR"] == str(tmp_path / "ipython")
     assert not launcher.exited()  # sbatch returns once the job is queued: that says nothing about the engines
+
+
+def test_an_engines_job_that_ended_before_its_engines_registered_is_noticed_and_explained(monkeypatch, tmp_path):
+    """Its nodes did not see the profile (this node's temp folder): the job failed at once, and wrote nothing."""
+    fake = tmp_path / "bin" / "squeue"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$*" in *"%T %N"*) echo "FAILED node[1-2]";; '
+                    '*) echo "7 is FAILED (JobLaunchFailure)";; esac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("SHARDLAB_SHARED_DIR", raising=False)
+    launcher = engines.SbatchEngines(4, {}, "ipengine-test")
+    launcher.engine_set_options(str(tmp_path / "profile"))
+    launcher.engine_sets = [type("JobOf", (), {"job_id": "7", "get_output": lambda self: ""})()]
+    assert launcher.exited() and launcher.job_state() == "7 is FAILED (JobLaunchFailure)"
+    said = launcher.output()
+    assert said.startswith(f"(nothing: the job ran on node[1-2] and wrote no output into {tmp_path / 'profile'}.")
+    assert "Set SHARDLAB_SHARED_DIR to a folder every node of the job sees" in said
+    fake.write_text('#!/bin/sh\necho "RUNNING node[1-2]"\n')
+    assert not launcher.exited()
 
 
 def test_srun_step_engines_are_a_step_of_this_allocation(monkeypatch, tmp_path):
@@ -283,6 +306,7 @@ def test_srun_step_engines_are_a_step_of_this_allocation(monkeypatch, tmp_path):
     assert isinstance(engine_set, engines.RankEngineSetLauncher)
     args = engine_set.find_args()
     assert args[:4] == [str(fake), "-n", "4", "--kill-on-bad-exit=1"] and "--mpi" not in args
+    assert engine_set.get_env()["TMPDIR"] == ""  # the allocation's other nodes use their own temp folder
 
 
 def test_the_cluster_picks_the_launcher_for_where_it_runs(no_cluster_variables, tmp_path):

@@ -44,6 +44,20 @@ def test_every_rank_timed_out():
     assert not any("never entered" in line for line in lines)
 
 
+def test_a_node_that_went_down_is_named_with_its_ranks_and_the_others_wait_for_them():
+    died = "Engine {} died while running task 'abc'"
+    errors = [(0, "RuntimeError", GLOO_TIMEOUT), (1, "RuntimeError", GLOO_TIMEOUT),
+              (2, "EngineError", died.format(2)), (3, "EngineError", died.format(3))]
+    hosts = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
+    lines = summarize_rank_errors(errors, [0, 1, 2, 3], hosts)
+    assert lines[4] == ("rank(s) [2, 3] on node2 died: their engines stopped answering (every rank on node2: the node "
+                        "went down, or all its processes were killed).")
+    assert lines[5] == "rank(s) [0, 1] timed out in a collective waiting for rank(s) [2, 3], which died."
+    one = summarize_rank_errors(errors[:3] + [(3, "RuntimeError", GLOO_TIMEOUT)], [0, 1, 2, 3], hosts)
+    assert "rank(s) [2] on node2 died: their engines stopped answering." in one
+    assert summarize_rank_errors(errors, [0, 1, 2, 3])[4].startswith("rank(s) [2, 3] on an unknown node died")
+
+
 def test_no_timeout_no_extra_line():
     assert len(summarize_rank_errors([(0, "RuntimeError", "")], [0, 1])) == 1
 

@@ -215,7 +215,8 @@ class MPICluster:
         if self._px is not None:
             self._px.stop()
         self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
-        self._px = PxCells(self.view, list(self.client.ids), progress, cell_timeout_s)
+        self._px = PxCells(self.view, list(self.client.ids), progress, cell_timeout_s,
+                           hosts={s["rank"]: s["hostname"] for s in self.states})
         return self
 
     def restart(self) -> MPICluster:

@@ -12,6 +12,7 @@ engines did not come up, its Slurm job and what clean-up must stop. ``MPICluster
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -24,6 +25,8 @@ from ipyparallel.error import EngineError
 from . import procs
 from .devices import usable_cores
 from .programs import (
+    SHARED_DIR,
+    SHARED_HINT,
     check_ranks_per_core,
     find_mpiexec,
     mpi_arguments,
@@ -45,10 +48,12 @@ c.IPEngine.use_mpi = False
 """
 
 # An sbatch script of our own (ipyparallel's has no place for extra options): the engines are one job step whose
-# tasks each take their rank from SLURM_PROCID; its output goes to the profile's log folder.
+# tasks each take their rank from SLURM_PROCID; its output goes to the profile's log folder. Never requeued: after a
+# node failure Slurm would start the engines again, for a controller that has given up on them.
 SBATCH_TEMPLATE = """\
 #!/bin/sh
 #SBATCH --export=ALL
+#SBATCH --no-requeue
 #SBATCH --job-name={job_name}
 #SBATCH --ntasks={n}
 #SBATCH --output={output_file}
@@ -96,7 +101,16 @@ class EngineLauncher:
 
     def engine_set_options(self, profile_dir: str) -> dict:
         command = self.command()
-        return {"mpi_cmd": command[:1], "mpi_args": command[1:], "environment": dict(self.environment)}
+        return {"mpi_cmd": command[:1], "mpi_args": command[1:], "environment": self.environment_in(profile_dir)}
+
+    def environment_in(self, profile_dir: str) -> dict[str, str]:
+        """The engines' environment. Engines on other nodes must not take this node's temp folder (slurmstepd makes
+        a TMPDIR missing on its node, and nobody removes it; an empty one, tempfile skips: the node's own /tmp) nor
+        its IPython folder (where IPython finds none, it makes a temporary one and leaves it): theirs is in the
+        profile, removed with it at stop."""
+        if not self.on_other_nodes:
+            return dict(self.environment)
+        return self.environment | {"TMPDIR": "", "IPYTHONDIR": str(Path(profile_dir, "ipython"))}
 
     def note(self) -> str | None:
         """What a learner should know before the start (None: nothing)."""
@@ -131,7 +145,10 @@ class EngineLauncher:
                 out.append(es.get_output())
             except Exception:  # the output is a courtesy for the error message
                 pass
-        return "\n".join(o for o in out if o).strip()[-3000:]
+        said = "\n".join(o for o in out if o).strip()[-3000:]
+        if self.on_other_nodes and re.search(r"Profile directory .* not found", said):
+            said += f"\nThe engines' nodes do not see the cluster's profile folder. {SHARED_HINT}"
+        return said
 
     def wait_for_engines(self, client, timeout_s: float, registered: Callable[[int], None] | None = None) -> None:
         """Wait until all n engines registered with ``client``; else a ClusterError with what the launcher said.
@@ -207,29 +224,53 @@ class SbatchEngines(EngineLauncher):
     def __init__(self, n: int, environment: Mapping[str, str], job_name: str, slurm_args: Sequence[str] = ()):
         super().__init__(n, environment)
         self.job_name, self.slurm_args = job_name, list(slurm_args)
+        self.profile_dir: str | None = None
+        self.nodes: list[str] = []
 
     def command(self) -> list[str]:
         return ["sbatch"]
 
     def engine_set_options(self, profile_dir: str) -> dict:
-        return {"environment": dict(self.environment),  # sbatch --export=ALL passes it on to srun
+        self.profile_dir = profile_dir
+        return {"environment": self.environment_in(profile_dir),  # sbatch --export=ALL passes it on to srun
                 "batch_template": SBATCH_TEMPLATE, "batch_file_name": str(Path(profile_dir, "slurm_engines.sbatch")),
-                "namespace": {"job_name": self.job_name,
-                              "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in self.slurm_args)}}
+                "namespace": {"job_name": self.job_name,  # the comment: who started it, as procs marks processes
+                              "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in
+                                                        [f"--comment={procs.origin()}", *self.slurm_args])}}
 
     def exited(self) -> bool:
-        return False  # sbatch exits once the job is queued: that says nothing about the engines
+        """sbatch exits once the job is queued, so the queue says: the job ended (or left the queue) before its
+        engines registered. The nodes it ran on are kept for the message."""
+        states = self._queue("%T %N")
+        self.nodes = sorted({line.split()[1] for line in states if len(line.split()) > 1}) or self.nodes
+        return bool(self.jobs()) and not any(line.split()[0] in LIVE_JOB_STATES for line in states)
 
     def jobs(self) -> list[str]:
         return [es.job_id for es in self.engine_sets if getattr(es, "job_id", "")]
 
     def job_state(self) -> str:
+        return "; ".join(self._queue("%i is %T (%r)"))
+
+    def output(self) -> str:
+        said = super().output()
+        if said or not self.nodes or self.profile_dir is None:
+            return said
+        # The job's output file is in the profile folder: a job whose nodes do not see that folder writes nothing.
+        shared = os.environ.get(SHARED_DIR) and Path(self.profile_dir).is_relative_to(os.environ[SHARED_DIR])
+        return (f"(nothing: the job ran on {', '.join(self.nodes)} and wrote no output into {self.profile_dir}. "
+                + ("Do those nodes see that folder?)" if shared else
+                   f"Nodes that do not see that folder, this node's temp folder, end so. {SHARED_HINT})"))
+
+    def _queue(self, fmt: str) -> list[str]:
         squeue = shutil.which("squeue")
         if not squeue or not self.jobs():
-            return ""
-        out = subprocess.run([squeue, "-h", "-j", ",".join(self.jobs()), "-o", "%i is %T (%r)"],
+            return []
+        out = subprocess.run([squeue, "-h", "-t", "all", "-j", ",".join(self.jobs()), "-o", fmt],
                              capture_output=True, text=True, timeout=30)
-        return out.stdout.strip().replace("\n", "; ")
+        return out.stdout.strip().splitlines()
+
+
+LIVE_JOB_STATES = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
 def in_slurm_allocation() -> bool:

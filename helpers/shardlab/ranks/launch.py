@@ -29,6 +29,7 @@ from .programs import (
     RESULT_FILE,
     LaunchError,
     check_ranks_per_core,
+    check_result_folder,
     find_mpiexec,  # noqa: F401
     free_port,
     job_command,
@@ -240,7 +241,10 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
         session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
-        job_env = job_environment(**(mpi_environment() | session | threads | hidden | dict(env or {})))
+        # A Slurm job's ranks use their node's temp folder: slurmstepd would make this one's on every node, and
+        # nobody would remove it (tempfile skips an empty TMPDIR).
+        own_temp = {"TMPDIR": ""} if launcher == "slurm" else {}
+        job_env = job_environment(**(mpi_environment() | session | threads | hidden | own_temp | dict(env or {})))
         job_env[RESULT_FILE] = str(result_file)
         t0 = time.perf_counter()
         proc = procs.run_process_group(cmd, job_env, timeout_s, what, capture=not show_output)
@@ -273,6 +277,8 @@ class DistributedState:
     pid: int
     phases: dict = field(default_factory=dict)  # seconds spent in each step of this call
     threads: int = 1  # intra-op threads (torch.get_num_threads): what CPU kernels' speed and scratch depend on
+    node_id: int | None = None  # SLURM_NODEID: which node of a Slurm job the rank runs on
+    master_addr: str | None = None  # where the ranks met rank 0 (MASTER_ADDR once initialised), or None
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -324,6 +330,8 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     info = detect_launch()
+    if info.rank == 0:
+        check_result_folder()
     if not DistributedManager.is_initialized():
         gpu = rank_gpu(info, visible_gpus())
         _rank_process_settings(timeout)
@@ -354,7 +362,8 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         launcher=info.launcher, method=method, rank=manager.rank, local_rank=info.local_rank,
         world_size=manager.world_size, device=str(manager.device), backend=backend,
         timeout_s=timeout.total_seconds(), hostname=socket.gethostname(), pid=os.getpid(), phases=phases,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), master_addr=os.environ.get("MASTER_ADDR") if backend else None,
+        node_id=int(os.environ["SLURM_NODEID"]) if info.launcher == "slurm" and "SLURM_NODEID" in os.environ else None,
     )
 
 

@@ -200,13 +200,20 @@ def write_job_result(result) -> None:
     """Hand ``result`` (anything JSON can write) back to the ``run_job`` that started this job. Call it on one
     rank (rank 0). In a job that ``run_job`` did not start (torchrun typed by hand), it does nothing. Raises a
     LaunchError that says what to set when this node does not see the job's folder (rank 0 on another node)."""
-    if not (path := os.environ.get(RESULT_FILE)):
-        return
-    if not Path(path).parent.is_dir():
+    if os.environ.get(RESULT_FILE):
+        check_result_folder()
+        Path(os.environ[RESULT_FILE]).write_text(json.dumps(result))
+
+
+def check_result_folder() -> None:
+    """Raise write_job_result's LaunchError when this node does not see the folder of the job run_job started (none
+    when no run_job started it): rank 0 calls it before the rendezvous, so such a job fails at once, not after the
+    other ranks' collectives time out."""
+    path = os.environ.get(RESULT_FILE)
+    if path and not Path(path).parent.is_dir():
         raise LaunchError(f"rank 0 runs on {socket.gethostname()}, which does not see {Path(path).parent}, the folder "
                           "that run_job made in the temp folder of the node that started the job: the job's result "
                           f"cannot reach it. {SHARED_HINT}")
-    Path(path).write_text(json.dumps(result))
 
 
 SHARED_HINT = (f"Set {SHARED_DIR} to a folder every node of the job sees (a home or project folder, e.g. "

@@ -37,8 +37,10 @@ def rank_errors(error) -> list[tuple[int, str, str]]:
     return out
 
 
-def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) -> list[str]:
-    """One line per failing rank, and which ranks a collective time-out was waiting for.
+def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int],
+                          hosts: dict[int, str] | None = None) -> list[str]:
+    """One line per failing rank, which ranks died (and on which node, from ``hosts``: rank -> host name), and which
+    ranks a collective time-out was waiting for.
 
     ``errors`` holds (rank, exception name, message) for every rank that raised.
     """
@@ -50,9 +52,19 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int]) 
         lines.append(f"rank {rank}: {name}: {first[:200]}")
         if _TIMEOUT.search(f"{name} {message}"):
             timed_out.append(rank)
+    died = sorted(rank for rank, name, message in errors if name == "EngineError" and " died" in message)
+    hosts = hosts or {}
+    for host in dict.fromkeys(hosts.get(rank, "an unknown node") for rank in died):
+        here = [rank for rank in died if hosts.get(rank, "an unknown node") == host]
+        whole = hosts and here == sorted(rank for rank, h in hosts.items() if h == host)
+        lines.append(f"rank(s) {here} on {host} died: their engines stopped answering"
+                     + (f" (every rank on {host}: the node went down, or all its processes were killed)." if whole
+                        else "."))
     if timed_out:
         absent = [r for r in ranks if r not in timed_out]
-        if absent:
+        if absent and set(absent) <= set(died):
+            lines.append(f"rank(s) {timed_out} timed out in a collective waiting for rank(s) {absent}, which died.")
+        elif absent:
             lines.append(
                 f"rank(s) {timed_out} timed out in a collective waiting for rank(s) {absent}, "
                 "which never entered it (they raised first or skipped it)."
@@ -127,8 +139,9 @@ class PxCells:
     per-rank summary above the tracebacks of a failing cell (the cell still fails). ``stop()`` puts the shell's
     previous exception handler back. Outside IPython, nothing is changed."""
 
-    def __init__(self, view, ranks: list[int], progress: bool = False, cell_timeout_s: float | None = None):
-        self.shell, self.ranks, self._previous = get_ipython(), list(ranks), None
+    def __init__(self, view, ranks: list[int], progress: bool = False, cell_timeout_s: float | None = None,
+                 hosts: dict[int, str] | None = None):
+        self.shell, self.ranks, self.hosts, self._previous = get_ipython(), list(ranks), hosts, None
         if self.shell is None:
             return
         view.block = True
@@ -139,7 +152,7 @@ class PxCells:
         self.shell.set_custom_exc((CompositeError, AlreadyDisplayedError), self._show_summary)
 
     def _show_summary(self, shell, etype, value, tb, tb_offset=None):
-        summary = summarize_rank_errors(rank_errors(value), self.ranks)
+        summary = summarize_rank_errors(rank_errors(value), self.ranks, self.hosts)
         header = ["The %%px cell failed on the cluster:", *("  " + line for line in summary), ""]
         # IPython discards a custom handler's return value: the handler must show the error itself, as an
         # "error" output, or nbmake would not see the failure.
