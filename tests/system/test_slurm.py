@@ -1,8 +1,8 @@
 """A real Slurm (one of scripts/local-slurm.sh that is up, its single node or its two; `make test-system` starts the
 two; see conftest.py). On two nodes, 4 tasks take both and the kernel runs on the login node, so these run across
 nodes too (tests/system/test_two_nodes.py asserts what only differs there):
-srun runs the smoke CLI, a notebook kernel drives Slurm engines with %%px, a failed start leaves no job,
-engines started inside an allocation are a step of it, and notebooks run unchanged on Slurm engines.
+srun runs the smoke CLI, a notebook kernel drives Slurm engines with %%px, a failed start leaves no job, and
+engines started inside an allocation are a step of it. Notebooks on Slurm engines: test_two_nodes.py.
 
 Every test checks that the queue holds none of its jobs afterwards, and ``no_leftovers`` that no process
 it started is still alive."""
@@ -24,20 +24,12 @@ from shardlab.ranks import bringup, procs
 from shardlab.ranks import cluster as cl
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slurm]
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def queue() -> list[tuple[str, str]]:
     """(job id, job name) of every job in the queue."""
     out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=30, check=True)
     return [tuple(line.split(maxsplit=1)) for line in out.stdout.splitlines() if line.strip()]
-
-
-def queued_by_this_test() -> list[str]:
-    """Ids of the queued engine jobs that this test started (their comment is its origin): not the other worker's."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True, timeout=30, check=True)
-    return [job for job, _, comment in (line.partition(" ") for line in out.stdout.splitlines())
-            if comment.startswith(os.environ[procs.ORIGIN])]
 
 
 def left_in_queue(job: str, wait_s: float = 30.0) -> bool:
@@ -149,16 +141,6 @@ def test_inside_an_allocation_engines_are_a_step_of_it_not_a_new_job(tmp_path, n
     assert Path(seen["profile"]).parent == shared and not Path(seen["profile"]).exists()
     shared.rmdir()  # empty: the cluster removed its profile
     assert not left_in_queue(allocation)
-
-
-@pytest.mark.notebook
-@pytest.mark.parametrize("name", ["01_launchers"])
-def test_notebooks_run_unchanged_on_slurm_engines(name, no_leftovers):
-    """What an instructor does on a Slurm cluster: the same notebooks, engines chosen by the environment. Two ranks:
-    this proves where the engines come from; the world sizes are test_notebooks.py's."""
-    env = os.environ | {"SHARDLAB_ENGINES": "slurm", "SHARDLAB_CONTROLLER_IP": "*", "SHARDLAB_RANKS": "2"}
-    run_notebook(NOTEBOOKS / f"{name}.ipynb", timeout_s=400, rehearse=False, env=env)
-    assert not queued_by_this_test()
 
 
 def test_a_crashed_kernels_slurm_job_is_cancelled_by_the_next_start(tmp_path, no_leftovers):

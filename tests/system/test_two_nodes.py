@@ -22,6 +22,7 @@ import pytest
 import machine_changes
 import shardlab as sl
 from notebook_runner import run_notebook
+from shardlab.ranks import procs
 from shardlab.ranks.launch import JobFailed, run_job
 from shardlab.ranks.px import ClusterError, rank_errors, summarize_rank_errors
 
@@ -44,6 +45,13 @@ def left_on_the_nodes() -> dict[str, list[str]]:
     """What each node's /tmp holds, but for torch.compile's cache (kept on purpose, as on this machine)."""
     listed = on_each_node("ls -A /tmp | grep -v '^torchinductor_' | tr '\\n' ' '")
     return {node: files.split() for node, files in listed.items() if files.split()}
+
+
+def queued_by_this_test() -> list[str]:
+    """Ids of the queued engine jobs that this test started (their comment is its origin): not the other worker's."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True, timeout=30, check=True)
+    return [job for job, _, comment in (line.partition(" ") for line in out.stdout.splitlines())
+            if comment.startswith(os.environ[procs.ORIGIN])]
 
 
 def rows(report: dict) -> list[tuple]:
@@ -125,6 +133,7 @@ def test_notebooks_run_unchanged_on_engines_of_both_nodes(name, no_leftovers):
     env = os.environ | {"SHARDLAB_ENGINES": "slurm", "SHARDLAB_CONTROLLER_IP": "*", "SHARDLAB_RANKS": "4",
                         "CAPSTONE_STEPS": "20"}
     run_notebook(ROOT / "notebooks" / f"{name}.ipynb", timeout_s=500, rehearse=False, env=env)
+    assert not queued_by_this_test()
     assert not left_on_the_nodes()
 
 
