@@ -40,6 +40,7 @@
 set -euo pipefail
 
 STATE=/run/shardlab-slurm            # pid files, logs, and who started it
+ROOT=$(cd "$(dirname "$0")/.." && pwd)  # the checkout
 CONF=/etc/slurm/slurm.conf
 MARKER="# written by shardlab scripts/local-slurm.sh"
 CPUS_MIN=${SHARDLAB_SLURM_CPUS:-16}
@@ -163,6 +164,9 @@ make_nodes() {
     if ip link show "$BRIDGE" >/dev/null 2>&1 && ! made "link $BRIDGE"; then
         die 3 "an interface $BRIDGE exists that this script did not make: nothing is changed"
     fi
+    if ! made "link $BRIDGE" && [ -n "$(ip -4 route show to match "$NET.1" | grep -v '^default')" ]; then
+        die 3 "$NET.0/24 is already routed here ($(ip -4 route show to match "$NET.1" | grep -v '^default' | head -1)): nothing is changed"
+    fi
     if ! made "link $BRIDGE"; then
         ip link add "$BRIDGE" type bridge && remember "link $BRIDGE"
         ip addr add "$NET.1/24" dev "$BRIDGE"
@@ -189,10 +193,17 @@ make_nodes() {
 }
 
 start_node() {  # slurmd in its namespaces: its own address, host name, /tmp and /etc/hosts; /run/munge is shared
-    # nsenter, not `ip netns exec`, which mounts a /sys of its own without the cgroup file system slurmd reads.
+    local checkout=""
     install -d -m 0755 "/var/spool/slurmd/$1"
+    # A checkout in this machine's /tmp (a fresh clone to test) stays visible on the node, as a project folder on a
+    # cluster's shared file system is: bound into the node's /tmp before that hides this one.
+    case "$ROOT" in
+        /tmp/*) install -d "$STATE/$1/tmp/${ROOT#/tmp/}"
+                checkout="mount --bind $ROOT $STATE/$1/tmp/${ROOT#/tmp/} && " ;;
+    esac
+    # nsenter, not `ip netns exec`, which mounts a /sys of its own without the cgroup file system slurmd reads.
     daemon nsenter --net="/run/netns/shardlab-$1" unshare --uts --mount --propagation private -- sh -c \
-        "hostname $1 && mount --bind $STATE/$1/tmp /tmp && mount --bind $STATE/hosts /etc/hosts && exec slurmd -N $1"
+        "hostname $1 && ${checkout}mount --rbind $STATE/$1/tmp /tmp && mount --bind $STATE/hosts /etc/hosts && exec slurmd -N $1"
 }
 
 on_node() { ip netns pids "shardlab-$1" 2>/dev/null || true; }  # every process on that node: slurmd and its jobs
@@ -233,7 +244,9 @@ remove_nodes() {
         done
     fi
     rm -f "$STATE/made" "$STATE/hosts"
-    for node in "${NODES[@]}"; do rm -rf "${STATE:?}/$node"; done
+    for node in "${NODES[@]}"; do  # never through a mount: the node's bound checkout lived in its namespace only
+        if [ -z "$(on_node "$node")" ]; then rm -rf --one-file-system "${STATE:?}/$node"; fi
+    done
     rm -rf "$SHARED"
 }
 

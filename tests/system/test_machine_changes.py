@@ -147,8 +147,9 @@ def test_without_the_opt_in_slurm_and_mpich_tests_run_or_skip_saying_how_to_enab
     """On the real machine: whatever it has is used, nothing is installed or started (the inner run's own
     before/after check would fail it), and what is missing is one skip line naming the opt-in."""
     env = {k: v for k, v in os.environ.items() if k not in (machine_changes.SYSTEM_SETUP, "SHARDLAB_TEST_SLURM")}
-    def slurm_status():
-        return subprocess.run(["bash", str(ROOT / "scripts/local-slurm.sh"), "status"], capture_output=True).returncode
+    def slurm_status():  # 0 when a Slurm of the script is up, its two nodes or its one
+        return min(subprocess.run(["bash", str(ROOT / "scripts/local-slurm.sh"), "status", *nodes],
+                                  capture_output=True).returncode for nodes in ([], ["--nodes", "2"]))
 
     for _ in range(3):  # under `make test-system` the other worker may be bringing the local Slurm up meanwhile
         slurm_up = slurm_status()

@@ -42,9 +42,12 @@ def on_each_node(command: str) -> dict[str, str]:
 
 
 def left_on_the_nodes() -> dict[str, list[str]]:
-    """What each node's /tmp holds, but for torch.compile's cache (kept on purpose, as on this machine)."""
+    """What each node's /tmp holds, but for torch.compile's cache (kept on purpose, as on this machine) and a checkout
+    in this machine's /tmp (scripts/local-slurm.sh shows it to the nodes, as a shared file system would)."""
     listed = on_each_node("ls -A /tmp | grep -v '^torchinductor_' | tr '\\n' ' '")
-    return {node: files.split() for node, files in listed.items() if files.split()}
+    checkout = ROOT.relative_to("/tmp").parts[0] if ROOT.is_relative_to("/tmp") else None
+    return {node: [f for f in files.split() if f != checkout] for node, files in listed.items()
+            if [f for f in files.split() if f != checkout]}
 
 
 def queued_by_this_test() -> list[str]:
