@@ -46,8 +46,8 @@ def left_on_the_nodes() -> dict[str, list[str]]:
     in this machine's /tmp (scripts/local-slurm.sh shows it to the nodes, as a shared file system would)."""
     listed = on_each_node("ls -A /tmp | grep -v '^torchinductor_' | tr '\\n' ' '")
     checkout = ROOT.relative_to("/tmp").parts[0] if ROOT.is_relative_to("/tmp") else None
-    return {node: [f for f in files.split() if f != checkout] for node, files in listed.items()
-            if [f for f in files.split() if f != checkout]}
+    left = {node: [f for f in files.split() if f != checkout] for node, files in listed.items()}
+    return {node: files for node, files in left.items() if files}
 
 
 def queued_by_this_test() -> list[str]:

@@ -25,6 +25,7 @@ from ipyparallel.error import EngineError
 from . import procs
 from .devices import usable_cores
 from .programs import (
+    NODE_OWN_TEMP,
     SHARED_DIR,
     SHARED_HINT,
     check_ranks_per_core,
@@ -104,13 +105,12 @@ class EngineLauncher:
         return {"mpi_cmd": command[:1], "mpi_args": command[1:], "environment": self.environment_in(profile_dir)}
 
     def environment_in(self, profile_dir: str) -> dict[str, str]:
-        """The engines' environment. Engines on other nodes must not take this node's temp folder (slurmstepd makes
-        a TMPDIR missing on its node, and nobody removes it; an empty one, tempfile skips: the node's own /tmp) nor
+        """The engines' environment. Engines on other nodes take neither this node's temp folder (NODE_OWN_TEMP) nor
         its IPython folder (where IPython finds none, it makes a temporary one and leaves it): theirs is in the
         profile, removed with it at stop."""
         if not self.on_other_nodes:
             return dict(self.environment)
-        return self.environment | {"TMPDIR": "", "IPYTHONDIR": str(Path(profile_dir, "ipython"))}
+        return self.environment | NODE_OWN_TEMP | {"IPYTHONDIR": str(Path(profile_dir, "ipython"))}
 
     def note(self) -> str | None:
         """What a learner should know before the start (None: nothing)."""
@@ -226,6 +226,7 @@ class SbatchEngines(EngineLauncher):
         self.job_name, self.slurm_args = job_name, list(slurm_args)
         self.profile_dir: str | None = None
         self.nodes: list[str] = []
+        self._asked = -QUEUE_EVERY_S  # when exited() last read the queue
 
     def command(self) -> list[str]:
         return ["sbatch"]
@@ -240,7 +241,11 @@ class SbatchEngines(EngineLauncher):
 
     def exited(self) -> bool:
         """sbatch exits once the job is queued, so the queue says: the job ended (or left the queue) before its
-        engines registered. The nodes it ran on are kept for the message."""
+        engines registered. The nodes it ran on are kept for the message. Asked at most every QUEUE_EVERY_S: a
+        start polls this twice a second, and a cluster's slurmctld serves every user's squeue."""
+        if time.monotonic() - self._asked < QUEUE_EVERY_S:
+            return False
+        self._asked = time.monotonic()
         states = self._queue("%T %N")
         self.nodes = sorted({line.split()[1] for line in states if len(line.split()) > 1}) or self.nodes
         return bool(self.jobs()) and not any(line.split()[0] in LIVE_JOB_STATES for line in states)
@@ -270,6 +275,7 @@ class SbatchEngines(EngineLauncher):
         return out.stdout.strip().splitlines()
 
 
+QUEUE_EVERY_S = 3.0
 LIVE_JOB_STATES = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 

@@ -26,6 +26,7 @@ from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus,
 # find_mpiexec and torchrun_command are here for callers of sl.ranks.launch: notebook 08, and the planner's two launches
 # until they use run_job; write_job_result for the programs that run_job runs.
 from .programs import (
+    NODE_OWN_TEMP,
     RESULT_FILE,
     LaunchError,
     check_ranks_per_core,
@@ -241,9 +242,7 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         result_file = Path(logs, "result.json")
         cmd = job_command(launcher, n, *program, *args, log_dir=logs)
         session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
-        # A Slurm job's ranks use their node's temp folder: slurmstepd would make this one's on every node, and
-        # nobody would remove it (tempfile skips an empty TMPDIR).
-        own_temp = {"TMPDIR": ""} if launcher == "slurm" else {}
+        own_temp = NODE_OWN_TEMP if launcher == "slurm" else {}  # a Slurm job's ranks may run on other nodes
         job_env = job_environment(**(mpi_environment() | session | threads | hidden | own_temp | dict(env or {})))
         job_env[RESULT_FILE] = str(result_file)
         t0 = time.perf_counter()

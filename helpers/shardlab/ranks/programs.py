@@ -216,6 +216,10 @@ def check_result_folder() -> None:
                           f"cannot reach it. {SHARED_HINT}")
 
 
+# What a process on another node takes instead of this node's temp folder: slurmstepd would make that TMPDIR on
+# every node and nobody would remove it; tempfile skips an empty one, so the node's own /tmp is used.
+NODE_OWN_TEMP = {"TMPDIR": ""}
+
 SHARED_HINT = (f"Set {SHARED_DIR} to a folder every node of the job sees (a home or project folder, e.g. "
                f"export {SHARED_DIR}=~/shardlab-shared) where the job is started, and run it again.")
 
