@@ -2,15 +2,24 @@
 run_job, the one way a job of ranks is run."""
 
 import atexit
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from shardlab.ranks import programs
 from shardlab.ranks.devices import usable_cores
 from shardlab.ranks.launch import JobFailed, LaunchError, LaunchInfo, detect_launch, run_job
-from shardlab.ranks.programs import ephemeral_range, free_port, job_command, torchrun_command
+from shardlab.ranks.programs import (
+    CONTROLLER_PORTS,
+    ephemeral_range,
+    free_port,
+    free_ports,
+    job_command,
+    torchrun_command,
+)
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
@@ -144,6 +153,28 @@ def test_free_ports_are_below_the_range_outgoing_connections_take():
     """A port from the ephemeral range could be handed to an engine's outgoing connection before rank 0 listens."""
     low, _ = ephemeral_range()
     assert all(1024 <= port < low for port in (free_port() for _ in range(20)))
+
+
+def test_the_controllers_ports_are_distinct_free_and_from_their_own_window(monkeypatch):
+    monkeypatch.setattr(programs, "ephemeral_range", lambda: (32768, 60999))  # Linux's default, whatever this machine's
+    ports = free_ports(24, CONTROLLER_PORTS)
+    assert len(set(ports)) == 24 and all(CONTROLLER_PORTS[0] <= port < CONTROLLER_PORTS[1] for port in ports)
+    with socket.socket() as taken:  # a port something listens on is never handed out
+        taken.bind(("", ports[0]))
+        taken.listen()
+        monkeypatch.setattr(programs.random, "Random", lambda: FixedDraws([ports[0], ports[1]]))
+        assert free_ports(1, CONTROLLER_PORTS) == [ports[1]]
+    # Where the ephemeral range starts below the window, none: ipyparallel then picks its ports itself.
+    monkeypatch.setattr(programs, "ephemeral_range", lambda: (CONTROLLER_PORTS[0], 60999))
+    assert free_ports(24, CONTROLLER_PORTS) == []
+
+
+class FixedDraws:
+    def __init__(self, draws):
+        self.draws = iter(draws)
+
+    def randrange(self, *window):
+        return next(self.draws)
 
 
 def test_torchrun_command_is_only_a_command_line(monkeypatch, tmp_path):

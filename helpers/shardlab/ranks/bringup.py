@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ import psutil
 from . import launch, procs, warm
 from .devices import threads_per_rank, usable_cores
 from .engines import ENGINE_CONFIG, EngineLauncher
-from .programs import free_port
+from .programs import CONTROLLER_PORTS, free_port, free_ports
 from .px import ClusterError, wait_for
 
 # The controller finishes an engine's registration at its first heartbeat: ipyparallel's default 3 s
@@ -27,6 +28,11 @@ from .px import ClusterError, wait_for
 HEARTBEAT_MS, HEARTBEAT_MISSES = 1000, 30
 CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
                    f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+# The controller's ports come from CONTROLLER_PORTS, below the ephemeral range. Left to itself, ipyparallel 9.2 finds
+# each port free, closes it, and binds it later, some in processes it forks: its heart monitor binds the heartbeat
+# ports after its own start-up. Meanwhile an outgoing connection may be handed one of them; a heart monitor that cannot
+# bind sends no heartbeat, so every engine gets its registration reply, is never counted, and gives up after 75 s.
+CONTROLLER_SOCKETS = 24  # it listens on 18 with its default schedulers; a spare costs one bind check
 # Message signing on top of CurveZMQ. With CurveZMQ on, ipyparallel's controller sets an empty Session key unless one
 # is given, and then every kernel and engine that connects warns "Message signing is disabled. This is insecure and
 # not recommended!". A key of each cluster's own keeps both: CurveZMQ encrypts and authenticates every connection,
@@ -81,6 +87,13 @@ def record_started(record: procs.Record, launcher: EngineLauncher, cluster, stat
     record.save()
 
 
+def controller_arguments() -> list[str]:
+    """The controller's command-line options: CONTROLLER_ARGS, and its ports from CONTROLLER_PORTS where that window
+    lies below the ephemeral range (else ipyparallel picks them)."""
+    ports = free_ports(CONTROLLER_SOCKETS, CONTROLLER_PORTS)
+    return CONTROLLER_ARGS + ([f"--IPController.ports={','.join(map(str, ports))}"] if ports else [])
+
+
 def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, controller_ip: str,
             shared_dir: str | None, pool: warm.Pool | None):
     """What a fresh start needs before any process runs: (ipyparallel Cluster, the process record, the engine set's
@@ -95,10 +108,37 @@ def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, co
     options = launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
     options["environment"] |= pooled
     cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
-                          controller_ip=controller_ip, controller_args=CONTROLLER_ARGS, log_level=40)
+                          controller_ip=controller_ip, controller_args=controller_arguments(), log_level=40)
     cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
                                                           | procs.marked_environment() | pooled)
     return cluster, record, options
+
+
+def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:
+    """What went wrong on the controller's side of a failed start, if anything (else None): it exited (how), or one
+    of the processes it forks failed (a traceback in its log: a heart monitor that could not bind its port leaves every
+    engine waiting for a heartbeat until it gives up, and what the engines' launcher says names no cause)."""
+    controller = cluster.controller
+    process = getattr(controller, "process", None)
+    try:
+        alive = process is not None and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    try:
+        log = Path(controller.output_file).read_text(errors="replace").strip().splitlines()
+    except (AttributeError, OSError):
+        log = []
+    if alive:
+        if not (starts := [i for i, line in enumerate(log) if line.startswith("Traceback")]):
+            return None
+        trace = log[starts[-1]:]
+        end = next((i for i, line in enumerate(trace) if i and line and not line.startswith(" ")), len(trace) - 1)
+        return "A process of the controller failed; its log says:\n" + "\n".join(trace[:end + 1][-lines:])
+    code = (controller.stop_data or {}).get("exit_code")
+    how = ("exited" if code is None else f"was killed by signal {-code} ({signal.strsignal(-code)})" if code < 0
+           else f"exited with code {code}")
+    ends = "\n".join(log[-lines:] or ["-"])
+    return f"The controller (pid {getattr(process, 'pid', '?')}) {how} during the start; its log ends:\n{ends}"
 
 
 def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Record, n: int, options: dict,
@@ -124,6 +164,11 @@ def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Recor
         view.block = True
         states = initialise_ranks(view, list(client.ids), timeout_s, start_timeout_s)
         record_started(record, launcher, cluster, states)
+    except ClusterError as error:
+        client.close()
+        if (trouble := controller_trouble(cluster)) is None:
+            raise
+        raise ClusterError(f"{error}\n{trouble}") from None
     except BaseException:
         client.close()
         raise

@@ -25,9 +25,11 @@ class LaunchError(RuntimeError):
 
 
 # Ports chosen here stay below the ephemeral range (where the kernel picks ports for outgoing connections and
-# for programs that bind port 0): rank 0's MASTER_PORT from the first window, MPICH's mpiexec (hydra) control
-# port from the second, so that neither can be taken, or reached by a stray reconnecting client, in between.
-MASTER_PORTS = (10000, 21000)
+# for programs that bind port 0), each kind from a window of its own: rank 0's MASTER_PORT, the controller's sockets,
+# MPICH's mpiexec (hydra) control port. Between the moment a port is found free and the moment it is listened on, no
+# outgoing connection can take it, nor a stray reconnecting client reach it.
+MASTER_PORTS = (10000, 16000)
+CONTROLLER_PORTS = (16000, 21000)
 HYDRA_PORTS = (21000, 32000)
 
 
@@ -39,20 +41,32 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A TCP port that nobody listens on right now, below the ephemeral range when there is room: a port the
-    kernel hands out for outgoing connections (every engine's to its controller) could be taken between
-    now and the moment rank 0 listens on it."""
-    low, _ = ephemeral_range()
-    rng = random.Random()
-    for _ in range(50) if low > MASTER_PORTS[1] else ():
-        port = rng.randrange(*MASTER_PORTS)
+def free_ports(count: int, window: tuple[int, int]) -> list[int]:
+    """``count`` distinct TCP ports from ``window`` that nobody listens on right now; fewer (none) when the window
+    is not below the ephemeral range, or too busy. A port the kernel hands out for outgoing connections (every
+    engine's to its controller) could be taken between now and the moment it is listened on: these cannot."""
+    if ephemeral_range()[0] <= window[1]:
+        return []
+    rng, ports = random.Random(), []
+    for _ in range(50 * count):
+        if len(ports) == count:
+            break
+        if (port := rng.randrange(*window)) in ports:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:
                 continue
-            return port
+        ports.append(port)
+    return ports
+
+
+def free_port() -> int:
+    """A TCP port for rank 0 that nobody listens on right now, from MASTER_PORTS when that lies below the ephemeral
+    range (``free_ports``), else one the kernel picks."""
+    for port in free_ports(1, MASTER_PORTS):
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
