@@ -10,6 +10,7 @@ that need it gone unset it. They skip, saying how to start the nodes, without th
     sudo scripts/local-slurm.sh start --nodes 2 && .venv/bin/python -m pytest tests/system/test_two_nodes.py
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import machine_changes
@@ -55,10 +57,8 @@ def processes_on(node: str) -> list[str]:
     pids = subprocess.run(["ip", "netns", "pids", f"shardlab-{node}"], capture_output=True, text=True).stdout.split()
     commands = []
     for pid in pids:
-        try:
-            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
-        except OSError:  # ended meanwhile
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile
+            commands.append(" ".join(psutil.Process(int(pid)).cmdline()))
     return commands
 
 
@@ -186,7 +186,7 @@ def test_a_node_that_dies_mid_cell_is_named_and_the_rest_stop_cleanly(no_leftove
         time.sleep(1)
     assert not sl.ranks.procs.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
     assert not left_on_the_nodes()
-    deadline = time.monotonic() + 15  # the step that listed /tmp ends its slurmstepd a moment after srun returns
+    deadline = time.monotonic() + 15  # likeliest: the step that listed /tmp, whose slurmstepd outlives srun a moment
     while len(on_node1 := processes_on("node1")) > 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert [command.split(" ")[0] for command in on_node1] == ["slurmd"], f"node1 runs more than its slurmd: {on_node1}"

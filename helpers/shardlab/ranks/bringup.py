@@ -164,13 +164,10 @@ def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Recor
         view.block = True
         states = initialise_ranks(view, list(client.ids), timeout_s, start_timeout_s)
         record_started(record, launcher, cluster, states)
-    except ClusterError as error:
+    except BaseException as error:
         client.close()
-        if (trouble := controller_trouble(cluster)) is None:
-            raise
-        raise ClusterError(f"{error}\n{trouble}") from None
-    except BaseException:
-        client.close()
+        if isinstance(error, ClusterError) and (trouble := controller_trouble(cluster)) is not None:
+            raise ClusterError(f"{error}\n{trouble}") from None
         raise
     return client, view, states, {"engines registered": registered,
                                   "DistributedManager ready": time.perf_counter() - t0 - registered}
