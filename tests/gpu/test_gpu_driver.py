@@ -86,7 +86,7 @@ def node(monkeypatch, tmp_path):
         for bus in range(driver_lists):
             (listed / f"0000:{bus:02x}:00.0").mkdir()
         monkeypatch.setattr(devices, "NVIDIA_DRIVER_GPUS", str(listed))
-        for module in (devices, gpucheck):
+        for module in (devices, gpucheck, smoke):
             monkeypatch.setattr(module, "visible_gpus", lambda: cuda_sees)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_sees)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: gpus[i][0])
@@ -116,6 +116,34 @@ def test_gpucheck_fails_on_that_node_and_notebook_00_shows_why(node, tmp_path, c
     assert "R580" in json.loads(out.read_text())["error"]
     facts = smoke.machine_facts()  # notebook 00's inventory: the message, not a crash
     assert facts["unusable_gpus"] == devices.unusable_gpus(0) and facts["gpus"] == []
+
+
+def test_a_driver_too_old_counts_its_gpus_with_nvml_yet_cuda_is_unavailable(monkeypatch, tmp_path, capsys):
+    """torch 2.14.1 on a node whose driver is too old for the wheels: before CUDA starts, ``device_count()`` is NVML's
+    count (``torch/cuda/__init__.py`` line 1229-1233: ``_device_count_nvml()`` when not initialised; NVML ships with
+    the driver, so it counts the node's 4 GPUs), while ``is_available()`` asks the CUDA runtime
+    (``torch._C._cuda_getDeviceCount() > 0``, line 227), which fails on the old driver: False. Simulated exactly so,
+    unlike the ``node`` fixture: nothing of the series' own is patched."""
+    fake_nvidia_smi(tmp_path / "bin", [H100] * 4, driver="535.104.05")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(ARCHS))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # NVML's count
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CUDA runtime's answer
+
+    def no_cuda(i=0):
+        raise RuntimeError("CUDA driver initialization failed")  # what get_device_name meets on that node
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_cuda)
+    assert devices.visible_gpus() == 0
+    assert "Update the NVIDIA driver to R580 or newer" in devices.unusable_gpus(devices.visible_gpus())
+    out = tmp_path / "gpu-check.json"
+    assert gpucheck.main(["--json", str(out)]) == 1  # not a traceback at get_device_name, not "no GPU"
+    assert "driver 535.104.05" in capsys.readouterr().err
+    facts = smoke.machine_facts()  # notebook 00's inventory
+    assert facts["gpus"] == [] and "R580" in facts["unusable_gpus"] and facts["one_rank_runs_on"] == "cpu"
+    assert devices.place_ranks(4, devices.visible_gpus()).device == "cpu"  # and it says why, in unusable_gpus
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees this machine's GPUs: the node cannot be simulated "

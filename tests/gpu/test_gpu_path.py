@@ -29,7 +29,7 @@ def gpus(monkeypatch):
 
     def set_count(count: int) -> None:
         monkeypatch.setattr(devices, "visible_gpus", lambda: count)
-        for module in (cl, launch, bench, gpucheck):
+        for module in (cl, launch, bench, gpucheck, smoke):
             monkeypatch.setattr(module, "visible_gpus", lambda: count, raising=False)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "simulated GPU")
@@ -193,6 +193,12 @@ def test_physicsnemo_gets_the_gpu_index_as_its_local_rank():
     (4, [], {"SLURM_GPUS_PER_TASK": "1"}, 4),
     (4, [], {"SLURM_GPUS": "h100:8"}, 8),
     (4, [], {}, 0),
+    # Inside a two-node allocation, a step that names no node count spans the allocation's nodes (one at most per
+    # task): --gpus-per-node counts on each of them.
+    (8, ["--gpus-per-node=4"], {"SLURM_JOB_NUM_NODES": "2"}, 8),
+    (8, ["--gres=gpu:4"], {"SLURM_NNODES": "2"}, 8),
+    (1, ["--gpus-per-node=4"], {"SLURM_JOB_NUM_NODES": "2"}, 4),
+    (8, ["--gpus-per-node=4", "--nodes=1"], {"SLURM_JOB_NUM_NODES": "2"}, 4),  # the step's own count wins
 ])
 def test_slurm_gpus_come_from_the_job_or_the_allocation(n, args, env, expected):
     assert devices.slurm_gpus(n, args, env) == expected

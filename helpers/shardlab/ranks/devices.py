@@ -106,16 +106,23 @@ def slurm_gpus(n: int, slurm_args: Sequence[str] = (), env: Mapping[str, str] | 
         return per_task * n
     if "gpus" in asked:
         return asked["gpus"]
+    nodes = slurm_nodes(n, slurm_args) or allocation_nodes(n, env)
     per_node = asked.get("gpus-per-node") or asked.get("gres")
     if per_node:
-        return per_node * (slurm_nodes(n, slurm_args) or 1)
+        return per_node * nodes
     if asked:
         return 0
     if total := _int(env.get("SLURM_GPUS")):
         return total
-    if not (per_node := _int(env.get("SLURM_GPUS_ON_NODE"))):
-        return 0
-    return per_node * (slurm_nodes(n, slurm_args) or _int(env.get("SLURM_JOB_NUM_NODES")) or 1)
+    return (_int(env.get("SLURM_GPUS_ON_NODE")) or 0) * nodes
+
+
+def allocation_nodes(n: int, env: Mapping[str, str]) -> int:
+    """The nodes a step of ``n`` tasks that names none spans inside an allocation: srun spreads a step over all of
+    the allocation's nodes (``SLURM_JOB_NUM_NODES``, or the older ``SLURM_NNODES``), at most one a task; 1 outside
+    one."""
+    nodes = _int(env.get("SLURM_JOB_NUM_NODES")) or _int(env.get("SLURM_NNODES")) or 1
+    return max(1, min(nodes, n))
 
 
 def slurm_options(slurm_args: Sequence[str]) -> dict[str, str]:
@@ -223,10 +230,16 @@ def limit_rank_threads(threads: int) -> None:
 
 
 def visible_gpus() -> int:
-    """GPUs this process sees (after CUDA_VISIBLE_DEVICES): for ranks on this machine, theirs too."""
+    """GPUs CUDA can use in this process (after CUDA_VISIBLE_DEVICES): for ranks on this machine, theirs too.
+
+    Before CUDA starts, torch counts GPUs with NVML, the driver's own library (torch 2.14.1 ``torch/cuda/__init__.py``,
+    ``device_count`` at line 1212): on a node whose driver is too old for the wheels that count is the node's GPUs,
+    while ``is_available()`` (line 209) asks the CUDA runtime and says False. Such GPUs count as none here, and
+    ``unusable_gpus`` says why."""
     import torch
 
-    return torch.cuda.device_count()
+    count = torch.cuda.device_count()
+    return count if count and torch.cuda.is_available() else 0
 
 
 # The oldest driver branch each CUDA major version runs on (NVIDIA's CUDA release notes, minor version compatibility).

@@ -125,7 +125,7 @@ def run(n: int | None = None) -> list[dict]:
 def machine() -> str:
     import torch
 
-    gpus = torch.cuda.device_count()
+    gpus = visible_gpus()
     kind = f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no GPU"
     return (f"{platform.machine()}, {usable_cores()} CPU cores, {kind}, Python {platform.python_version()}, "
             f"torch {torch.__version__}")

@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     if gpus == 0:
         hidden = (f" with CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}"
                   if "CUDA_VISIBLE_DEVICES" in os.environ else "")
-        print(f"No GPU is visible here{hidden} (torch.cuda.device_count() == 0): nothing to check. Run `make "
+        print(f"No GPU is visible here{hidden} (CUDA counts none): nothing to check. Run `make "
               "gpu-check` on a GPU node; on this machine the CPU ranks of `make test` rehearse the same program.")
         if json_file is not None:
             write_json(json_file, 0, [])

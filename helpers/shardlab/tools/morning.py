@@ -241,7 +241,7 @@ def step_gpu() -> Result:
     if problem := unusable_gpus(gpus):
         return Result("gpu", FAILED, "GPUs CUDA cannot use", [f"{problem}; `make gpu-check` says the same"])
     if gpus == 0:
-        return Result("gpu", SKIPPED, "no GPU visible here (torch.cuda.device_count() == 0): the notebooks run on "
+        return Result("gpu", SKIPPED, "no GPU visible here (CUDA counts none): the notebooks run on "
                                       "CPU ranks; on a GPU node this step runs gpu-check's quick rows")
     rows = [row | {"budget_s": GPU_ROWS[row["name"]]} for row in gpucheck.plan(gpus)
             if row["name"] in GPU_ROWS and row["runs"]]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 from ..gpu_record import gpu_status
 from ..measure import max_diff_to_source
 from ..mesh import MeshError, build_mesh, domain_source
-from ..ranks.devices import default_ranks, place_ranks, unusable_gpus, usable_cores
+from ..ranks.devices import default_ranks, place_ranks, unusable_gpus, usable_cores, visible_gpus
 from ..ranks.launch import (
     LaunchError,
     default_device,
@@ -48,7 +48,7 @@ def machine_facts() -> dict:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpus = [torch.cuda.get_device_name(i) for i in range(visible_gpus())]
     cluster = place_ranks(default_ranks(len(gpus)), len(gpus))
     return {
         "python": platform.python_version(),
