@@ -128,6 +128,13 @@ def _why_not(need: str) -> str | None:
     return why or None
 
 
+@pytest.fixture
+def slurm_setup_lock():
+    """Held for the test's length: no worker looks for or starts the session's Slurm meanwhile."""
+    with _setting_up():
+        yield
+
+
 def _left_of_the_nodes() -> list[str]:
     """The two-node Slurm's namespaces, interfaces and mounts still there (after its stop: none)."""
     run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout  # noqa: E731

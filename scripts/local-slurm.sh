@@ -253,7 +253,8 @@ remove_nodes() {
 running() { [ -s "$STATE/$1.pid" ] && [ -d "/proc/$(cat "$STATE/$1.pid")" ]; }  # as any user (kill -0 needs root)
 
 nodes_up() { if [ -s "$STATE/nodes" ]; then cat "$STATE/nodes"; else echo 1; fi; }
-slurmds() { if [ "$(nodes_up)" = 2 ]; then echo slurmd-node1 slurmd-node2; else echo slurmd; fi; }
+# slurmd names its pid file by SlurmdPidFile's %n, the node's name: the host's own in the one-node mode.
+slurmds() { if [ "$(nodes_up)" = 2 ]; then echo slurmd-node1 slurmd-node2; else echo "slurmd-$(hostname -s)"; fi; }
 
 status() {  # $1: the number of nodes asked for
     local daemon state
@@ -302,7 +303,7 @@ start() {  # $1: the number of nodes
     if [ "$1" = 2 ]; then
         for node in "${NODES[@]}"; do running "slurmd-$node" || start_node "$node"; done
     else
-        running slurmd || daemon slurmd
+        running "slurmd-$(hostname -s)" || daemon slurmd
     fi
     for _ in $(seq 100); do
         if status "$1" >/dev/null 2>&1; then
@@ -337,7 +338,7 @@ stop() {
         scancel --full --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
         for _ in $(seq 60); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.5; done
     fi
-    for daemon in slurmd slurmd-node1 slurmd-node2; do stop_pid "$daemon"; done
+    for daemon in "slurmd-$(hostname -s)" slurmd-node1 slurmd-node2; do stop_pid "$daemon"; done
     remove_nodes
     stop_pid slurmctld
     stop_pid munged
