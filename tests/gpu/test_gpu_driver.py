@@ -120,9 +120,9 @@ def test_gpucheck_fails_on_that_node_and_notebook_00_shows_why(node, tmp_path, c
 
 def test_a_driver_too_old_counts_its_gpus_with_nvml_yet_cuda_is_unavailable(monkeypatch, tmp_path, capsys):
     """torch 2.14.1 on a node whose driver is too old for the wheels: before CUDA starts, ``device_count()`` is NVML's
-    count (``torch/cuda/__init__.py`` line 1229-1233: ``_device_count_nvml()`` when not initialised; NVML ships with
+    count (``torch/cuda/__init__.py`` lines 1231-1232: ``_device_count_nvml()`` when not initialised; NVML ships with
     the driver, so it counts the node's 4 GPUs), while ``is_available()`` asks the CUDA runtime
-    (``torch._C._cuda_getDeviceCount() > 0``, line 227), which fails on the old driver: False. Simulated exactly so,
+    (``torch._C._cuda_getDeviceCount() > 0``, line 228), which fails on the old driver: False. Simulated exactly so,
     unlike the ``node`` fixture: nothing of the series' own is patched."""
     fake_nvidia_smi(tmp_path / "bin", [H100] * 4, driver="535.104.05")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))

@@ -233,8 +233,8 @@ def visible_gpus() -> int:
     """GPUs CUDA can use in this process (after CUDA_VISIBLE_DEVICES): for ranks on this machine, theirs too.
 
     Before CUDA starts, torch counts GPUs with NVML, the driver's own library (torch 2.14.1 ``torch/cuda/__init__.py``,
-    ``device_count`` at line 1212): on a node whose driver is too old for the wheels that count is the node's GPUs,
-    while ``is_available()`` (line 209) asks the CUDA runtime and says False. Such GPUs count as none here, and
+    ``device_count``, lines 1231-1232): on a node whose driver is too old for the wheels that count is the node's GPUs,
+    while ``is_available()`` (line 228) asks the CUDA runtime and says False. Such GPUs count as none here, and
     ``unusable_gpus`` says why."""
     import torch
 
