@@ -14,7 +14,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..check import Watch, case_generator, earlier_object
 from ..measure import strict_fp32
@@ -107,10 +107,12 @@ def _from_sizes(rows: list[int], mesh, device, width: int = 3):
     return _shard_tensor().from_local(local, mesh, (Shard(0),), sharding_shapes={0: [(r, width) for r in rows]})
 
 
-def _layout_pairs(rng, n: int) -> list[tuple[str, list[int], list[int] | None, bool]]:
-    """(what, a's rows per rank, b's rows per rank or None for a replicated b of a's shape, same layout?), drawn:
-    the same split twice; two ranks' shards swapped (the same global shape, other rows on those ranks); one rank's
-    shard changed (so the other ranks' shards match); a replicated tensor; another split twice."""
+def _layout_pairs(rng, n: int) -> list[tuple[str, tuple, tuple, bool, bool]]:
+    """(what, a, b, same layout?, do the placements alone differ?), a and b described for ``_build``, drawn: the same
+    split twice; two ranks' shards swapped (the same global shape, other rows on those ranks); one rank's shard changed
+    (so the other ranks' shards match); a replicated tensor; another split twice; and two pairs whose shard sizes agree
+    on every rank while their placements differ: blocks split by rows beside blocks of the same shape split by columns,
+    and a partial tensor beside a replicated one."""
     sizes = [rng.randint(1, 4) for _ in range(n)]
     while len(set(sizes)) == 1:
         sizes[rng.randrange(n)] = rng.randint(1, 4)
@@ -120,13 +122,37 @@ def _layout_pairs(rng, n: int) -> list[tuple[str, list[int], list[int] | None, b
     changed = list(sizes)
     changed[i] = rng.choice([r for r in range(1, 6) if r != sizes[i]])
     other = [rng.randint(1, 4) for _ in range(n)]
-    pairs = [(f"two tensors split {sizes} rows", sizes, sizes, True),
-             (f"tensors split {sizes} and {swapped} rows", sizes, swapped, False),
-             (f"tensors split {sizes} and {changed} rows", sizes, changed, False),
-             (f"a tensor split {sizes} rows and a replicated one of the same global shape", sizes, None, False),
-             (f"two tensors split {other} rows", other, other, True)]
+    block = (rng.randint(1, 4), rng.randint(2, 5))  # every rank's shard, in both tensors of the pair
+    by_rows = ("rows", [block[0]] * n, block[1])
+    pairs = [(f"two tensors split {sizes} rows", ("rows", sizes), ("rows", sizes), True, False),
+             (f"tensors split {sizes} and {swapped} rows", ("rows", sizes), ("rows", swapped), False, False),
+             (f"tensors split {sizes} and {changed} rows", ("rows", sizes), ("rows", changed), False, False),
+             (f"a tensor split {sizes} rows and a replicated one of the same global shape", ("rows", sizes),
+              ("replicated", sizes), False, False),
+             (f"two tensors split {other} rows", ("rows", other), ("rows", other), True, False),
+             (f"a tensor split by rows (Shard(0)) and one split by columns (Shard(1)), every rank holding a {block[0]}x"
+              f"{block[1]} block of each", by_rows, ("columns", block), False, True),
+             (f"a partial tensor (Partial()) and a replicated one (Replicate()) of the same shape, {sum(sizes)}x3",
+              ("partial", sizes), ("replicated", sizes), False, True)]
     rng.shuffle(pairs)
     return pairs
+
+
+def _build(spec: tuple, mesh, device):
+    """The ShardTensor a ``_layout_pairs`` description stands for: ("rows", rows per rank[, width]) split along dim 0;
+    ("columns", (height, width per rank)) split along dim 1; ("replicated" or "partial", rows per rank) the whole
+    ``sum(rows)`` × 3 on every rank, placed Replicate() or Partial()."""
+    kind, n = spec[0], mesh.size()
+    if kind == "rows":
+        return _from_sizes(spec[1], mesh, device, *spec[2:])
+    if kind == "columns":
+        height, width = spec[1]
+        return _shard_tensor().from_local(torch.zeros(height, width, device=device), mesh, (Shard(1),),
+                                          sharding_shapes={0: [(height, width)] * n})
+    placement = Replicate() if kind == "replicated" else Partial()
+    shape = (sum(spec[1]), 3)
+    return _shard_tensor().from_local(torch.zeros(shape, device=device), mesh, (placement,),
+                                      sharding_shapes="chunk", global_shape=shape)
 
 
 def layout_guard(fn, x) -> str | None:
@@ -134,31 +160,29 @@ def layout_guard(fn, x) -> str | None:
     shard sizes (``_spec.sharding_shapes()``), on this rank, without communicating: every rank holds them all.
 
     ``fn(a, b)`` is called on pairs the judge draws for each check on ``x``'s mesh (aligned and misaligned uneven
-    splits, among them misaligned ones whose shards match on some ranks, and a replicated tensor) and must say True
-    exactly for the aligned ones. Any collective during the calls fails."""
+    splits, among them misaligned ones whose shards match on some ranks, a replicated tensor, and pairs whose shard
+    sizes agree on every rank while their placements differ) and must say True exactly for the aligned ones. Any
+    collective during the calls fails."""
     mesh = x.device_mesh
     cases = _layout_pairs(case_generator(), mesh.size())
-    ShardTensor = _shard_tensor()
-
-    def replicated(rows):
-        return ShardTensor.from_local(torch.zeros(sum(rows), 3, device=x.device), mesh, (Replicate(),),
-                                      sharding_shapes="chunk", global_shape=(sum(rows), 3))
-
-    pairs = [(_from_sizes(a, mesh, x.device), replicated(a) if b is None else _from_sizes(b, mesh, x.device))
-             for _, a, b, _ in cases]
+    pairs = [(_build(a, mesh, x.device), _build(b, mesh, x.device)) for _, a, b, _, _ in cases]
     with Watch() as watch:
         answers = [fn(a, b) for a, b in pairs]
     if watch.collectives():
         used = sorted({e.name for e in watch.collectives()})
         return (f"the guard communicated ({', '.join(used)}): every rank's spec already records every rank's shard "
                 "sizes, so compare them without asking the other ranks (and without the values)")
-    for (what, _, _, same), got in zip(cases, answers):
+    for (what, _, _, same, placements_alone), (a, b), got in zip(cases, pairs, answers):
         if not isinstance(got, bool):
             return f"same_layout returned {got!r} ({type(got).__name__}); it should return True or False"
         if got != same:
             if len(set(answers)) == 1:
                 return (f"same_layout says {'same' if got else 'different'} for every pair, {what} among them: "
                         "compare the two tensors it is given")
+            if placements_alone:
+                return (f"same_layout says same for {what}, expected False: their shard sizes agree on every rank, "
+                        f"but their placements, {tuple(a.placements)} and {tuple(b.placements)}, say that the shards "
+                        "hold different things")
             return f"same_layout says {'same' if got else 'different'} for {what}, expected {same}"
     return None
 
