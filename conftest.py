@@ -250,7 +250,8 @@ def pytest_collection_modifyitems(config, items):
     # The slowest kinds first: with several workers, the run then ends on short tests, not on one long tail. Among
     # them, tests of one world size next to each other: each worker runs a block, and a notebook attaches to the
     # ranks the previous one parked only when their sizes match.
-    first = ("slurm", "notebook", "browser", "bench", "multirank")
+    # The one-node Slurm's own lifecycle runs before the session's Slurm starts (it needs the machine to itself).
+    first = ("slurm_lifecycle", "slurm", "notebook", "browser", "bench", "multirank")
     items.sort(key=lambda item: (next((i for i, name in enumerate(first) if item.get_closest_marker(name)), len(first)),
                                  getattr(item, "callspec", None) and item.callspec.params.get("ranks", 0) or 0))
 

@@ -3,8 +3,9 @@ leaves no daemon of it running. Its slurmd writes its pid file by SlurmdPidFile'
 the script has to read by that name (it once looked for ``slurmd.pid``: `start` waited 30 s for a slurmd that ran,
 and `stop` left it running).
 
-The lifecycle needs the machine to itself: it runs where no Slurm of the script is up (`.ci/run` runs it before
-`make test`, whose Slurm tests start the two-node mode), and skips where one is."""
+The lifecycle needs the machine to itself: marked ``slurm_lifecycle``, it is the first test of a run (conftest.py
+sorts it before the Slurm tests, which start the two-node mode), holds the lock under which the session's Slurm is
+started, and skips where a Slurm of the script is up already."""
 
 import os
 import subprocess
@@ -25,11 +26,12 @@ def local_slurm(*command: str, timeout_s: float = 600) -> subprocess.CompletedPr
 
 
 @pytest.mark.multirank
+@pytest.mark.slurm_lifecycle
 def test_the_one_node_slurm_starts_runs_a_job_and_stops_its_daemons(slurm_setup_lock):
     if os.geteuid() != 0 or not machine_changes.setup_allowed():
         pytest.skip(f"starts a Slurm as root: {machine_changes.SYSTEM_SETUP}=1 as root (`sudo make test-system`)")
     if local_slurm("status").returncode == 0 or local_slurm("status", "--nodes", "2").returncode == 0:
-        pytest.skip("a Slurm of scripts/local-slurm.sh is up: the one-node lifecycle runs where none is (.ci/run)")
+        pytest.skip("a Slurm of scripts/local-slurm.sh is up: the one-node lifecycle runs where none is")
     started = local_slurm("start")
     try:
         assert started.returncode == 0, started.stderr
