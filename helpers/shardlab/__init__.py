@@ -12,7 +12,9 @@ Layers, lowest first. A module imports only from layers below its own; ``tests/u
 import, including those inside functions, against this list.
 
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
-   ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place)
+   ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place); ``quiet``
+   (upstream messages the series knows are harmless, silenced where they start: installed at import, below);
+   ``progress`` (each check's result, for the instructor's class view, where one is set up)
 1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
    processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
@@ -27,10 +29,13 @@ import, including those inside functions, against this list.
    in parts and loaded into another layout), ``points`` (point clouds for PhysicsNeMo's point models)
 6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``),
    ``audit`` (a model's communication module by module, and what ShardTensor could not shard)
-7. ``exercises``: one module of judges per notebook
-8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.agenda``
-9. ``tools.gpucheck``: runs the tools above on a GPU node
-10. ``tools.morning``: the machine check for the morning of a workshop
+7. ``exercises``: one module of judges per notebook; ``parity`` (any model on the ranks against one process)
+8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.class_view`` (who is stuck); ``model_cases``
+   (docs/models.md's models)
+9. ``tools.time_model``: each lesson's minutes, from its notebook and its measured run time
+10. ``tools.agenda`` (the workshop's agendas, from the time model); ``tools.gpucheck``: runs the tools above on a
+    GPU node; ``tools.models`` (``make models``: docs/models.md)
+11. ``tools.morning``: the machine check for the morning of a workshop
 
 Submodules load on first use: a rank that only needs ``shardlab.ranks.launch`` does not import matplotlib, and a
 notebook kernel does not import PhysicsNeMo until it asks for something that needs it.
@@ -39,16 +44,17 @@ notebook kernel does not import PhysicsNeMo until it asks for something that nee
 import importlib
 
 LAYERS = (
-    ("ranks.devices", "gpu_record", "workarounds"),
+    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress"),
     ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
     ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon"),
     ("data", "models", "levers", "ranks.warm", "ranks.panel"),
     ("train", "ranks.bringup"),
     ("measure", "plot", "checkpoints", "points"),
     ("ranks.cluster", "check", "plan", "audit"),
-    ("exercises",),
-    ("tools.smoke", "tools.bench", "tools.handout", "tools.agenda"),
-    ("tools.gpucheck",),
+    ("exercises", "parity"),
+    ("tools.smoke", "tools.bench", "tools.handout", "tools.class_view", "model_cases"),
+    ("tools.time_model",),
+    ("tools.agenda", "tools.gpucheck", "tools.models"),
     ("tools.morning",),
 )
 _MODULES = {name.split(".")[0] for layer in LAYERS for name in layer}
@@ -85,3 +91,8 @@ def load_on_first_use(package: str):
         return sorted([*vars(importlib.import_module(package)), *modules])
 
     return __getattr__, __dir__
+
+
+# Every process that imports shardlab (a notebook's kernel, each rank, the tools) holds back the upstream messages that
+# the series knows are harmless (shardlab/quiet.py says which, and why).
+importlib.import_module(".quiet", __name__).install()

@@ -1,7 +1,10 @@
 """Checkpoints written in parts, one per rank, and loaded into another layout.
 
-``save_sharded`` writes a Trainer's state with ``torch.distributed.checkpoint`` (DCP): every rank writes the shards it
-holds, and a ``.metadata`` file maps each parameter's name to its pieces. ``load_sharded`` reads them into a Trainer of
+``save_sharded`` writes a Trainer's state with ``torch.distributed.checkpoint`` (DCP): every rank offers the shards it
+holds, DCP's planner keeps one writer for each piece that several ranks hold alike (``default_planner.py``,
+``_dedup_save_plans``), and rank 0 writes a ``.metadata`` file that maps each parameter's name to its pieces. The folder
+must be one folder for every rank (a shared file system): ``FileSystemWriter`` writes every rank's part into it, rank 0
+the metadata, and rank 0 renames it into place. ``load_sharded`` reads them into a Trainer of
 any other mesh shape or wrapper, ``load_into_one_process`` into a plain model in a process with no process group: each
 reads the pieces its own shards need (DCP's planner, ``torch/distributed/checkpoint/default_planner.py``).
 ``step_with_global_batch`` then takes the steps the saved run would have taken (``sl.train.train_one_process``
@@ -30,9 +33,10 @@ SHOWN = 4  # names shown in an error before "and N more"
 
 
 def save_sharded(trainer, folder) -> None:
-    """Every rank writes its part of the model and optimizer state (``get_state_dict``: FSDP2 shards stay shards)
-    with the step count and the losses, into ``folder + ".writing"``; rank 0 renames it into place after a barrier.
-    A collective: every rank calls it. An earlier checkpoint in ``folder`` is replaced."""
+    """The model and optimizer state as every rank holds it (``get_state_dict``: FSDP2 shards stay shards), with the
+    step count and the losses, written by DCP into ``folder + ".writing"`` (each piece by one rank), which rank 0
+    renames into place after a barrier: notebook 12's four calls, plus the checks. ``folder`` must be on a file system
+    every rank sees. A collective: every rank calls it. An earlier checkpoint in ``folder`` is replaced."""
     folder = Path(folder)
     if folder.exists() and not is_checkpoint(folder):
         raise ValueError(f"{folder} exists and is not a checkpoint: save into a new folder, or remove this one.")

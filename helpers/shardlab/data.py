@@ -1,5 +1,6 @@
 """Data layer: the small 2-D Darcy dataset in data/darcy2d.npz, loaded as Conv2d-ready tensors; fields on disk
-that a rank reads a slab of; the sampler that gives every rank of a domain group the same samples.
+that a rank reads a slab of. (Samples per domain group need no sampler of ours: torch's ``DistributedSampler`` over the
+``ddp`` replicas, ``num_replicas=mesh["ddp"].size(), rank=mesh.get_coordinate()[0]``, notebook 12.)
 
 The first ``HELD_OUT`` samples of the file are held out: the capstone measures its error on them, and no
 training run sees them (``split="train"`` starts after them). The generator draws samples one after another
@@ -17,6 +18,8 @@ Introduced in ``notebooks/03_scatter_and_shardtensor.ipynb``; field stores and s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import getpass
 import hashlib
 import math
@@ -108,30 +111,64 @@ def store_dir() -> Path:
 def _stored_params(path: Path) -> dict | None:
     try:
         return dict(zarr.open_group(LocalStore(path, read_only=True), mode="r").attrs).get("shardlab")
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # nothing there, a file, or a folder zarr does not know
         return None
 
 
+def _found(path: Path) -> dict | None:
+    """The parameters of the shardlab store at ``path``, None when nothing is there; StoreError for anything else.
+    A store only ever appears whole (a rename), so a folder that appears between the two looks is read again."""
+    for _ in range(2):
+        found = _stored_params(path)
+        if found is not None or not os.path.lexists(path):
+            return found
+    raise StoreError(f"{path} exists and is not a shardlab store: write to another path, or remove it first.")
+
+
+RENAME_REFUSED = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)  # something is at the target
+
+
+def _move_into_place(written: Path, path: Path, params: dict, attempts: int = 5) -> None:
+    """Rename the complete store ``written`` to ``path``. One ``rename``, atomic, which refuses to replace a folder
+    with content: nothing is checked first, so no other process can act between a check and the act. When it is
+    refused, what is there decides: the same store (another rank wrote it at the same time) is kept; a store of other
+    parameters is moved aside, removed, and the rename tried again; anything else is refused (``_found``)."""
+    for _ in range(attempts):
+        try:
+            os.rename(written, path)
+            return
+        except OSError as error:
+            if error.errno not in RENAME_REFUSED:
+                raise
+        found = _found(path)
+        if found == params:
+            return
+        if found is not None:
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            with contextlib.suppress(FileNotFoundError):  # another writer moved it first
+                os.rename(path, aside / path.name)
+            shutil.rmtree(aside, ignore_errors=True)
+    raise StoreError(f"{path} kept being replaced while this store was written: other processes write stores of "
+                     "other parameters there. Give each its own path.")
+
+
 def _write_atomically(path, params: dict, fill) -> Path:
-    """Write a store at a temporary name with ``fill(group)``, then rename it into place: ``path`` is either absent or
-    complete, whatever happens on the way (an error, Ctrl-C). A complete store of the same ``params`` is reused."""
-    path, found = Path(path), _stored_params(Path(path))
-    if found == params:
+    """Write a store into a temporary folder of its own with ``fill(group)``, then rename it into place: ``path`` is
+    either absent or complete, whatever happens on the way (an error, Ctrl-C), and every rank may write the same
+    store at once (``_move_into_place``). A complete store of the same ``params`` is reused, one of other ``params``
+    replaced; anything else at ``path`` is refused before anything is written."""
+    path = Path(path)
+    if _found(path) == params:
         return path
-    if path.exists() and found is None:  # never replace what shardlab did not write
-        raise StoreError(f"{path} exists and is not a shardlab store: write to another path, or remove it first.")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    # A folder of this writer's own, beside the store (a rename stays on one file system); the store is made inside
+    # it, so that it has the permissions any folder made here has.
+    own = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        fill(zarr.open_group(LocalStore(partial), mode="w", attributes={"shardlab": params}))
-        if _stored_params(path) != params:  # unless another process (a rank) has just written the same store
-            if path.exists():  # written with other parameters: replaced
-                path.rename(old)
-            partial.rename(path)
+        fill(zarr.open_group(LocalStore(own / path.name), mode="w", attributes={"shardlab": params}))
+        _move_into_place(own / path.name, path, params)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(own, ignore_errors=True)
     return path
 
 
@@ -332,54 +369,6 @@ def read_slab(store, sample: int, mesh, *, field: str = "permeability", dim: int
     if requires_grad:  # a leaf of its own, as scatter_tensor(..., requires_grad=True) builds it
         tensor = tensor.detach().requires_grad_(True)
     return Slab(tensor, (start, stop), read)
-
-
-# --- samples per domain group ---------------------------------------------------------------------------------------
-
-class DomainGroupSampler(torch.utils.data.Sampler):
-    """Sample indices split over the ``ddp`` replicas only: every rank of a domain group yields the same indices (the
-    halves of one ShardTensor belong to one sample), replicas yield disjoint ones. Shuffled per epoch from ``seed``,
-    the same permutation on every rank; position p of the permutation goes to replica p % ddp_size, so the global
-    batch of step s is positions [s·G, (s+1)·G), G = ddp_size × batch_size.
-
-    It replaces ``DistributedSampler`` over the whole world, which splits over every rank: the ranks of a domain group
-    then read different samples, and the ShardTensor they build together glues rows of one sample onto rows of
-    another. Nothing fails; the model trains on fields that exist nowhere, against targets that match none of them.
-    ``drop_last``: only whole global batches; else the permutation wraps round to fill the last one.
-    """
-
-    def __init__(self, dataset_len: int, ddp_size: int, replica: int, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, batch_size: int = 1):
-        if dataset_len < 1 or ddp_size < 1 or batch_size < 1:
-            raise ValueError(f"dataset_len={dataset_len}, ddp_size={ddp_size}, batch_size={batch_size}: each must be "
-                             "at least 1.")
-        if not 0 <= replica < ddp_size:
-            raise ValueError(f"replica={replica}: use the rank's ddp coordinate, in [0, {ddp_size}).")
-        self.global_batch = ddp_size * batch_size
-        if drop_last and dataset_len < self.global_batch:
-            raise ValueError(f"{dataset_len} samples make no whole global batch of {ddp_size} × {batch_size}: use "
-                             "drop_last=False, a smaller batch_size, or fewer ddp replicas.")
-        self.dataset_len, self.ddp_size, self.replica, self.batch_size = dataset_len, ddp_size, replica, batch_size
-        self.seed, self.shuffle, self.drop_last, self.epoch = seed, shuffle, drop_last, 0
-        batches = dataset_len // self.global_batch if drop_last else -(-dataset_len // self.global_batch)
-        self.total = batches * self.global_batch
-
-    @classmethod
-    def from_mesh(cls, mesh, dataset_len: int, **options) -> DomainGroupSampler:
-        """This rank's sampler on a (ddp, domain) mesh."""
-        return cls(dataset_len, mesh["ddp"].size(), mesh.get_coordinate()[0], **options)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        order = (torch.randperm(self.dataset_len, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-                 if self.shuffle else torch.arange(self.dataset_len))
-        order = order.repeat(-(-self.total // self.dataset_len))[: self.total]  # wraps round, or drops the tail
-        return iter(order[self.replica :: self.ddp_size].tolist())
-
-    def __len__(self) -> int:
-        return self.total // self.ddp_size
 
 
 def main(argv=None) -> None:

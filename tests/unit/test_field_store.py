@@ -1,14 +1,15 @@
 """Field stores (``sl.data``): written deterministically and whole or not at all, read a range of rows by reading
 only the chunks that overlap it (counted by the kernel, not by shardlab), refused with a message that says what to
-change; the domain-group sampler splits over ddp replicas only, where a whole-world ``DistributedSampler`` splits a
-domain group's ShardTensor over different samples. Slabs on real ranks: tests/multirank/test_slab_loading.py."""
+change. Samples per domain group: torch's ``DistributedSampler`` over the ddp replicas gives every rank of a group the
+same samples (the split notebook 12 rebuilds by hand), where one over the whole world splits a domain group's
+ShardTensor over different samples. Slabs on real ranks: tests/multirank/test_slab_loading.py."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from shardlab import data, mesh
 
@@ -186,66 +187,37 @@ def test_the_darcy_store_holds_load_darcys_samples(tmp_path):
 
 # --- the sampler ----------------------------------------------------------------------------------------------------
 
-def epoch_of(n, ddp, seed=0, epoch=0, **options):
-    samplers = [data.DomainGroupSampler(n, ddp, r, seed=seed, **options) for r in range(ddp)]
-    for s in samplers:
-        s.set_epoch(epoch)
-    return [list(s) for s in samplers], samplers
+def by_hand(n, ddp, replica, seed, epoch):
+    """Notebook 12's split: one permutation of (seed, epoch), the leftover dropped, position p to replica p % ddp."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return order[: n // ddp * ddp][replica::ddp]
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 10, 13])
+@pytest.mark.parametrize("n", [7, 8, 13])
 @pytest.mark.parametrize("ddp", [1, 2, 3, 4])
-@pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_replicas_split_the_samples_and_every_epoch_is_shuffled_alike(n, ddp, drop_last, batch_size):
-    if drop_last and n < ddp * batch_size:
-        with pytest.raises(ValueError, match="make no whole global batch"):
-            data.DomainGroupSampler(n, ddp, 0, drop_last=True, batch_size=batch_size)
-        return
-    per_replica, samplers = epoch_of(n, ddp, seed=5, drop_last=drop_last, batch_size=batch_size)
-    lengths = {len(indices) for indices in per_replica}
-    assert lengths == {len(samplers[0])}  # every replica takes as many steps
-    everything = [i for indices in per_replica for i in indices]
-    global_batch = ddp * batch_size
-    assert len(everything) % global_batch == 0
-    if drop_last:
-        assert len(set(everything)) == len(everything) > n - global_batch  # disjoint, at most a batch dropped
-    else:
-        assert set(everything) == set(range(n)) and len(everything) < n + global_batch  # all, padded by wrapping
-        if n % global_batch == 0:
-            assert len(everything) == n  # then disjoint too
-    again, _ = epoch_of(n, ddp, seed=5, drop_last=drop_last, batch_size=batch_size)
-    assert again == per_replica  # another rank of the same domain group: the same indices
-    if n >= 7:
-        assert epoch_of(n, ddp, seed=5, epoch=1, drop_last=drop_last, batch_size=batch_size)[0] != per_replica
-        assert epoch_of(n, ddp, seed=6, drop_last=drop_last, batch_size=batch_size)[0] != per_replica
-    order = [per_replica[r][k] for k in range(len(samplers[0])) for r in range(ddp)]  # position p -> replica p % ddp
-    loaders = [list(DataLoader(range(n), batch_size=batch_size, sampler=s)) for s in samplers]
-    for step in range(len(loaders[0])):
-        batch = sorted(int(i) for loader in loaders for i in loader[step])
-        assert batch == sorted(order[step * global_batch:(step + 1) * global_batch])
-        assert all(len(loader[step]) == batch_size for loader in loaders)
-
-
-def test_without_shuffle_the_order_is_the_dataset_order():
-    per_replica, _ = epoch_of(6, 2, shuffle=False)
-    assert per_replica == [[0, 2, 4], [1, 3, 5]]
-
-
-def test_from_mesh_gives_a_domain_group_one_replica_and_bad_arguments_say_what_to_change():
-    group = [data.DomainGroupSampler.from_mesh(FakeMesh(2, ddp=2, coordinate=(1, d)), 10, seed=1) for d in (0, 1)]
-    assert list(group[0]) == list(group[1]) and group[0].replica == 1 and group[0].global_batch == 2
-    with pytest.raises(ValueError, match=r"replica=2: use the rank's ddp coordinate, in \[0, 2\)"):
-        data.DomainGroupSampler(10, 2, 2)
-    with pytest.raises(ValueError, match="each must be at least 1"):
-        data.DomainGroupSampler(0, 2, 0)
+def test_a_distributed_sampler_over_the_ddp_replicas_is_the_split_by_hand(n, ddp):
+    """num_replicas = the ddp size, rank = the ddp coordinate (global rank = replica × domain + domain rank): the
+    ranks of a domain group get one list, the replicas disjoint ones of n // ddp samples, a new order each epoch."""
+    domain = 2
+    lists = {}
+    for epoch in (0, 1):
+        for rank in range(ddp * domain):
+            sampler = DistributedSampler(range(n), num_replicas=ddp, rank=rank // domain, seed=5, drop_last=True)
+            sampler.set_epoch(epoch)
+            lists[epoch, rank] = list(sampler)
+            assert lists[epoch, rank] == by_hand(n, ddp, rank // domain, 5, epoch)
+        groups = [lists[epoch, replica * domain] for replica in range(ddp)]
+        assert all(lists[epoch, r] == groups[r // domain] for r in range(ddp * domain))
+        everything = [i for group in groups for i in group]
+        assert len(set(everything)) == len(everything) == n // ddp * ddp
+    assert lists[0, 0] != lists[1, 0]
 
 
 def test_a_whole_world_distributed_sampler_glues_two_samples_into_one_field(store):
     """ddp=2, domain=2 on 4 ranks, global rank = 2 × replica + domain rank: ranks 0 and 1 build one ShardTensor."""
     ddp, domain, n = 2, 2, 4
     world = [list(DistributedSampler(range(n), num_replicas=ddp * domain, rank=r, seed=0)) for r in range(4)]
-    ours = [list(data.DomainGroupSampler(n, ddp, r // domain, seed=0)) for r in range(4)]
+    ours = [list(DistributedSampler(range(n), num_replicas=ddp, rank=r // domain, seed=0)) for r in range(4)]
     assert world[0] != world[1] and world[2] != world[3]  # the two halves of each group: different samples
     assert ours[0] == ours[1] and ours[2] == ours[3] and not set(ours[0]) & set(ours[2])
     top, bottom = world[0][0], world[1][0]

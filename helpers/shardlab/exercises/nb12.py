@@ -5,8 +5,10 @@ Both answers are functions, judged on every rank. The slab reader is called on s
 check (heights that do not divide over the ranks, other chunk sizes), on the 1-D meshes of the notebook and of the
 judge's own; the store counts the bytes each call reads, so reading the whole sample and slicing it fails, and the
 call is watched: no collective may run, and neither ``scatter_tensor`` nor ``sl.data.read_slab`` (the answer key). The
-sampler is called with seeds, epochs, dataset sizes and (ddp, domain) meshes drawn for each check; every rank's indices
-are gathered and compared: the same within a domain group, disjoint across replicas, a new order each epoch.
+indices are asked for with seeds, epochs, dataset sizes (never a multiple of the ddp size, so a leftover must be
+dropped) and (ddp, domain) meshes drawn for each check; every rank's lists are gathered and compared: the same within a
+domain group, disjoint across replicas, a new order each epoch. Nothing is forbidden there: torch's
+``DistributedSampler`` over the ddp replicas is the library's answer, and a split by hand passes as well.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def _judge_stores(next_to, rng, sizes: list[int]) -> tuple[Path, list[tuple[Path
 
 
 def _scattered(path, sample: int, domain):
-    """The library's answer, built outside the judged call: rank 0 of ``domain`` reads the sample and scatters it."""
+    """The library's answer, built outside the judged call: rank 0 of ``domain`` reads the sample and scatters it,
+    from this rank's device (NCCL sends no host tensor; DistributedManager made the rank's GPU the current one)."""
     from physicsnemo.domain_parallel import scatter_tensor
 
     source = dist.get_global_rank(domain.get_group(), 0)
-    whole = torch.from_numpy(open_store(path).field("permeability")[sample : sample + 1])
+    whole = torch.from_numpy(open_store(path).field("permeability")[sample : sample + 1]).to(domain.device_type)
     return scatter_tensor(whole if dist.get_rank() == source else None, source, domain, (Shard(2),))
 
 
@@ -133,7 +136,8 @@ def _judge_slab(got, expected, array, domain, read: int, shard_tensor) -> str | 
 
 def domain_group_indices(indices_of, mesh) -> str | None:
     """Exercise 2. Doing it means: split a permutation of the samples, drawn from the seed and the epoch, over the
-    ``ddp`` replicas only, by the rank's ``ddp`` coordinate, so the ranks of a domain group read the same samples.
+    ``ddp`` replicas only, by the rank's ``ddp`` coordinate, so the ranks of a domain group read the same samples:
+    by hand, or with ``DistributedSampler(num_replicas=ddp size, rank=ddp coordinate, drop_last=True)``.
 
     ``indices_of(dataset_len, mesh, epoch, seed)`` is called on every rank with dataset sizes, epochs and seeds drawn
     for each check, on the notebook's mesh and a (ddp, domain) mesh of the judge's own; every rank's lists are
@@ -141,8 +145,6 @@ def domain_group_indices(indices_of, mesh) -> str | None:
     if not callable(indices_of):
         return (f"indices_of is a {type(indices_of).__name__}: define a function "
                 "indices_of(dataset_len, mesh, epoch, seed)")
-    from ..data import DomainGroupSampler
-
     rng, world = case_generator(), dist.get_world_size()
     meshes = [("the notebook's mesh", mesh)]
     shapes = [d for d in range(1, world + 1) if world % d == 0 and d not in (1, mesh["ddp"].size())]
@@ -150,40 +152,42 @@ def domain_group_indices(indices_of, mesh) -> str | None:
         ddp = rng.choice(shapes)
         meshes.append((f"a mesh (ddp={ddp}, domain={world // ddp})", build_mesh(ddp=ddp, domain=-1)))
     for what, case_mesh in meshes:
-        length, seed, epoch = rng.randrange(3 * world + 5, 6 * world + 20), rng.randrange(1000), rng.randrange(5)
+        ddp = case_mesh["ddp"].size()
+        lengths = [n for n in range(3 * world + 5, 6 * world + 20) if ddp == 1 or n % ddp]  # a leftover to drop
+        length, seed, epoch = rng.choice(lengths), rng.randrange(1000), rng.randrange(5)
         try:  # a rank whose call raises still takes part in the gather below
-            with Watch(sampler=DomainGroupSampler.__iter__) as watch:
-                mine = [[int(i) for i in indices_of(length, case_mesh, e, seed)] for e in (epoch, epoch + 1)]
-            used = bool(watch.calls("sampler"))
+            mine = [[int(i) for i in indices_of(length, case_mesh, e, seed)] for e in (epoch, epoch + 1)]
         except Exception as error:
-            mine, used = f"indices_of raised {type(error).__name__}: {error}", False
+            mine = f"indices_of raised {type(error).__name__}: {error}"
         everyone = [None] * world
-        dist.all_gather_object(everyone, (case_mesh.get_coordinate()[0], mine, used))
+        dist.all_gather_object(everyone, (case_mesh.get_coordinate()[0], mine))
         said = f"on {what}, {length} samples, seed {seed}, epoch {epoch}"
-        raised = next((lists for _, lists, _ in everyone if isinstance(lists, str)), None)
-        verdict = raised or _judge_indices(everyone, case_mesh["ddp"].size(), length)
+        raised = next((lists for _, lists in everyone if isinstance(lists, str)), None)
+        verdict = raised or _judge_indices(everyone, ddp, length)
         if verdict:
             return f"{said}: {verdict}"
     return None
 
 
 def _judge_indices(everyone, ddp: int, length: int) -> str | None:
-    if any(used for _, _, used in everyone):
-        return "it used sl.data.DomainGroupSampler, the answer key: split the permutation yourself"
     by_replica = {}
-    for rank, (replica, lists, _) in enumerate(everyone):
+    for rank, (replica, lists) in enumerate(everyone):
         if by_replica.setdefault(replica, (rank, lists))[1] != lists:
             first = by_replica[replica][0]
             return (f"ranks {first} and {rank} are in one domain group (ddp coordinate {replica}) but read different "
-                    "samples: split over the ddp replicas (mesh['ddp'].size(), mesh.get_coordinate()[0]), not the "
-                    "world")
+                    "samples: split over the ddp replicas (num_replicas = mesh['ddp'].size(), rank = "
+                    "mesh.get_coordinate()[0]), not the world nor the domain axis")
     each = length // ddp
     for epoch in range(2):
         seen = [i for _, lists in by_replica.values() for i in lists[epoch]]
-        if any(len(lists[epoch]) != each for _, lists in by_replica.values()):
-            return f"a replica got {[len(lists[epoch]) for _, lists in by_replica.values()]} samples: {each} each"
+        counts = [len(lists[epoch]) for _, lists in by_replica.values()]
+        if any(count != each for count in counts):
+            why = ("the leftover dropped (drop_last=True), not padded" if max(counts) > each
+                   else f"drawn from all the {length} samples it is given, range(dataset_len)")
+            return f"a replica got {counts} samples: {each} each ({length} // {ddp}), {why}"
         if len(set(seen)) != len(seen) or not all(0 <= i < length for i in seen):
             return "two replicas read the same sample in one epoch, or an index is outside the dataset"
     if all(lists[0] == lists[1] for _, lists in by_replica.values()):
-        return "the next epoch reads the samples in the same order: draw the permutation from the seed and the epoch"
+        return ("the next epoch reads the samples in the same order: draw the permutation from the seed and the epoch "
+                "(DistributedSampler.set_epoch)")
     return None
