@@ -54,14 +54,6 @@ class PointCloud:
         source = torch.distributed.get_global_rank(mesh.get_group(), 0)
         return PointCloud(*(scatter_tensor(getattr(self, f.name), source, mesh, (Shard(1),)) for f in fields(self)))
 
-    def full(self) -> PointCloud:
-        """Every rank's points gathered (a collective on a sharded cloud; a plain cloud is returned as it is)."""
-        return PointCloud(*(_whole(getattr(self, f.name)) for f in fields(self)))
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
 
 def darcy_points(sample: int = 0, points: int = 1024, split: str = "train", seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> PointCloud:
@@ -98,6 +90,16 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
-    """‖out − target‖ / ‖target‖ over every point (both gathered if sharded)."""
-    out, target = _whole(out), _whole(target)
-    return ((out - target).norm() / target.norm()).item()
+    """‖out − target‖ / ‖target‖ over every point, gathering nothing: on ShardTensors each rank sums the squares over
+    its own points (a ``Partial`` sum), and one all-reduce of one number makes each of the two sums whole."""
+    squares = ((out - target) ** 2).sum(), (target**2).sum()
+    error, norm = (_replicated(s) for s in squares)
+    return (error / norm).sqrt().item()
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    if not hasattr(t, "redistribute"):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
