@@ -1,12 +1,20 @@
 """Which collectives each rank entered, from torch's Flight Recorder, and where the ranks' sequences part.
 
-torch numbers the collectives of every process group on every rank (``collective_seq_id``) and, when
-``TORCH_FR_BUFFER_SIZE`` is set before the group is made, keeps the last ones in a ring buffer: gloo's as well as
-NCCL's (torch 2.14). ``sl.init_distributed`` sets it on every rank of the series. A hung job reads the same way on
-every backend: the ranks that entered collective #k of a group wait for the members whose last one there is below
-#k. ``sl.ranks.panel`` shows it live; ``notebooks/14_see_every_rank.ipynb`` reads it after a hang.
+torch numbers the collectives of every process group on every rank (``collective_seq_id``) and keeps the last ones in
+a ring buffer, **on by default**: ``FlightRecorder``'s constructor reads ``TORCH_FR_BUFFER_SIZE`` (or
+``TORCH_NCCL_TRACE_BUFFER_SIZE``) with a default of 2,000 entries and records whenever that is above 0
+(torch/csrc/distributed/c10d/FlightRecorder.hpp, lines 106-114, torch 2.14.1). ``sl.init_distributed`` only shrinks
+the buffer to ``BUFFER_ENTRIES`` (the live panel reads it while ranks run, at a cost in proportion to its size).
 
-No shardlab imports; torch loads only on a rank, in ``entered()``.
+There are two recorders, one per event type of the same template (``FlightRecorder<EventType>::get()``, same header,
+line 99): gloo's collectives (and any backend routed through c10d's hooks, hooks/FlightRecorderHook.hpp, lines 8-14)
+go to ``FlightRecorder<c10::Event>``, dumped by ``_dump_fr_trace_json``; NCCL's go to
+``FlightRecorder<c10::cuda::CUDAEvent>``, dumped only by ``_dump_nccl_trace_json``. ``entered()`` reads both, so a hang
+reads the same way on every backend: the ranks that entered collective #k of a group wait for the members whose last
+one there is below #k. ``sl.ranks.panel`` shows it live; ``notebooks/14_see_every_rank.ipynb`` reads it after a hang,
+beside torch's own analyzer (``torch.distributed.flight_recorder``, ``torchfrtrace``), which reads ``dump()``'s files.
+
+No shardlab imports; torch loads only on a rank, in ``entered()`` and ``dump()``.
 """
 
 from __future__ import annotations
@@ -17,16 +25,29 @@ import time
 from dataclasses import dataclass
 
 BUFFER = "TORCH_FR_BUFFER_SIZE"
-# Collectives kept per rank (torch's default, 0, records nothing): a hang needs the newest of each group, and a read
-# costs in proportion to what is kept (the live panel reads it while ranks run).
+TORCH_DEFAULT_ENTRIES = 2000  # FlightRecorder.hpp, line 111: what an unset variable means (recording on)
+# Collectives kept per rank, fewer than torch's 2,000: a hang needs the newest of each group, and a read costs in
+# proportion to what is kept (the live panel reads it while ranks run).
 BUFFER_ENTRIES = 500
+
+
+def buffer_entries(env=None) -> int:
+    """How many collectives this process's recorders keep (0: recording off), as FlightRecorder.hpp reads it: the
+    first of TORCH_FR_BUFFER_SIZE and TORCH_NCCL_TRACE_BUFFER_SIZE that is set, else 2,000."""
+    env = os.environ if env is None else env
+    for name in (BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        if env.get(name, "").strip():
+            return int(env[name])
+    return TORCH_DEFAULT_ENTRIES
 
 
 _initialised_ns = 0  # when this rank last joined a process group: what it entered before is another job's
 
 
 def enable() -> None:
-    """Turn recording on for the process groups this process makes from now on (a rank's own choice wins)."""
+    """Shrink this process's recorders to ``BUFFER_ENTRIES`` (recording is on anyway; a rank's own choice wins; each
+    recorder reads the variable once, when it is first used, so call this before the first process group), and note
+    when this rank joined its groups."""
     global _initialised_ns
     os.environ.setdefault(BUFFER, str(BUFFER_ENTRIES))
     _initialised_ns = time.time_ns()
@@ -57,26 +78,76 @@ def group_ranks() -> dict[str, tuple[int, ...]]:
             if isinstance(pg, c10d.ProcessGroup) and pg in c10d._world.pg_group_ranks}
 
 
-def entered(since_ns: int | None = None) -> list[Entered]:
-    """On a rank: the collectives it entered (oldest first) that the recorder still holds, from ``since_ns`` on
-    (``time.time_ns()`` of an earlier moment), by default since the rank last joined a process group (a rank kept
-    warm for the next notebook recorded the last one's too, under group names that are used again). Empty when
-    recording is off."""
-    import torch._C._distributed_c10d as c10d_c
+def recorded(dumps=None) -> list[dict]:
+    """Every entry this rank's recorders hold, oldest first: the generic one's (gloo) and NCCL's, each the JSON its
+    dump function writes. ``dumps``: those functions, for a test; by default torch's, each called with
+    (includeCollectives=True, onlyActive=False). An entry both recorders hold (one group, one number) counts once."""
+    if dumps is None:
+        import torch._C._distributed_c10d as c10d_c
 
-    if not int(os.environ.get(BUFFER, "0") or 0):
+        # _dump_nccl_trace_json is missing from builds without NCCL: there only the generic recorder exists.
+        dumps = [c10d_c._dump_fr_trace_json, *([c10d_c._dump_nccl_trace_json]
+                                               if hasattr(c10d_c, "_dump_nccl_trace_json") else [])]
+    seen, out = set(), []
+    for dump in dumps:
+        for entry in json.loads(dump(True, False)).get("entries", []):
+            key = (entry["process_group"][0], bool(entry.get("is_p2p")), entry["collective_seq_id"],
+                   entry.get("p2p_seq_id"), entry["profiling_name"])
+            if key not in seen:
+                seen.add(key)
+                out.append(entry)
+    return sorted(out, key=lambda e: e["time_created_ns"])
+
+
+def _kept(entry: dict, names: dict, since_ns: int) -> bool:
+    # A group this rank has torn down, a send/recv (numbered apart), or older than asked: left out.
+    return entry["process_group"][0] in names and not entry.get("is_p2p") and entry["time_created_ns"] >= since_ns
+
+
+def entered(since_ns: int | None = None, dumps=None) -> list[Entered]:
+    """On a rank: the collectives it entered (oldest first) that its recorders still hold, from ``since_ns`` on
+    (``time.time_ns()`` of an earlier moment), by default since the rank last joined a process group (a rank kept
+    warm for the next notebook recorded the last one's too, under group names that are used again). Empty only when
+    recording is off (a buffer size of 0, set before the first group was made). ``dumps``: as for ``recorded``."""
+    if not buffer_entries():
         return []
     names, out = group_ranks(), []
     since_ns = _initialised_ns if since_ns is None else since_ns
-    for entry in json.loads(c10d_c._dump_fr_trace_json(True, False)).get("entries", []):
-        name = entry["process_group"][0]
-        if name not in names or entry.get("is_p2p") or entry["time_created_ns"] < since_ns:
-            continue  # a group this rank has torn down, a send/recv (numbered apart), or older than asked
-        out.append(Entered(group=names[name], seq=int(entry["collective_seq_id"]),
+    for entry in recorded(dumps):
+        if not _kept(entry, names, since_ns):
+            continue
+        out.append(Entered(group=names[entry["process_group"][0]], seq=int(entry["collective_seq_id"]),
                            op=entry["profiling_name"].split(":")[-1], sizes=tuple(map(tuple, entry["input_sizes"])),
                            done=bool(entry.get("retired")) and entry.get("state") != "started",
-                           started_ns=int(entry["time_created_ns"]), pg=name))
+                           started_ns=int(entry["time_created_ns"]), pg=entry["process_group"][0]))
     return out
+
+
+def dump(since_ns: int | None = None, dumps=None) -> bytes:
+    """This rank's record as torch's analyzer reads it (``torch.distributed.flight_recorder``: one file per rank,
+    a pickle of the dump's dict, named ``<prefix><rank>``), with what ``entered()`` keeps, and two repairs:
+
+    - ``pg_config`` from this rank's groups (their names and global ranks). The analyzer matches each entry to its
+      group through it (flight_recorder/components/builder.py, ``build_groups_memberships``), and gloo's recorder
+      holds one item there, named "", with the ranks numbered inside the group (measured on torch 2.14.1 gloo ranks):
+      the analyzer then stops with a KeyError.
+    - ``record_id`` counted again from 0: the analyzer aligns the ranks on it (components/utils.py,
+      ``align_trace_from_beginning``), and it counts every collective since the process began, which differs between
+      ranks of a cluster kept warm across notebooks. ``since_ns``: as for ``entered()``."""
+    import pickle
+
+    import torch._C._distributed_c10d as c10d_c
+    import torch.distributed.distributed_c10d as c10d
+
+    names = group_ranks()
+    since_ns = _initialised_ns if since_ns is None else since_ns
+    entries = [dict(e, record_id=i) for i, e in enumerate(e for e in recorded(dumps) if _kept(e, names, since_ns))]
+    descs = {pg_name: pg.group_desc for pg, pg_name in c10d._world.pg_names.items() if pg_name in names}
+    descs |= {e["process_group"][0]: e["process_group"][1] for e in entries}
+    raw = pickle.loads(c10d_c._dump_fr_trace(False, False, False))  # the version and library fields, as torch writes
+    return pickle.dumps(dict(raw, entries=entries, pg_config={
+        name: {"name": name, "desc": descs.get(name, "undefined"), "ranks": str(list(ranks))}
+        for name, ranks in names.items()}))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import pytest
 from shardlab.measure import timeline
 
 
-def x(name, ts, dur, tid=1, cat="cpu_op"):
-    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 7, "cat": cat}
+def x(name, ts, dur, tid=1, cat="cpu_op", **args):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 7, "cat": cat, "args": args}
 
 
 def step(ts, dur):
@@ -26,8 +26,8 @@ def test_each_moment_of_a_step_is_one_kind_and_overlaps_count_once():
               x("c10d::allreduce_", 5, 1)]  # c10d's enqueue on the main thread is compute, not a collective
     summary = timeline.summarize(events, rank=3)
     seconds = {kind: timeline.length(spans) for kind, spans in summary["spans"].items()}
-    assert seconds == {"halo exchange": 30, "all-reduce": 40, "reduce-scatter / all-gather": 0,
-                       "scatter / broadcast": 0, "compute": 20 + 100, "idle": 10}
+    assert seconds == {"halo exchange": 30, "all-reduce, ShardTensor (domain)": 0, "all-reduce, DDP (ddp)": 40,
+                       "reduce-scatter / all-gather": 0, "scatter / broadcast": 0, "compute": 20 + 100, "idle": 10}
     assert sum(timeline.shares(summary).values()) == pytest.approx(1)
     assert timeline.communication_share(summary) == pytest.approx(70 / 200)
     assert timeline.step_seconds(summary) == [1e-4, 1e-4]
@@ -79,3 +79,75 @@ def test_across_ranks_takes_the_slowest_rank_and_the_ideal_from_the_first_size()
     assert [(r["N"], r["step_s"], r["ideal_s"]) for r in strong] == [(1, 0.12, 0.12), (2, 0.08, 0.06)]
     assert [r["communication"] for r in strong] == pytest.approx([0.3, 0.5])
     assert [r["ideal_s"] for r in timeline.across_ranks([rank_0, rank_1], strong=False)] == [0.12, 0.12]
+
+
+def test_the_steps_gpu_copies_are_not_steps_and_the_gpus_kernels_are_compute():
+    """Issue 44 C. With CUDA activities on, each record_function range is copied onto every GPU stream its kernels
+    ran on, same name, category "gpu_user_annotation", pid the device, tid the stream
+    (torch/profiler/_cupti/monitor_trace.py, ``_gpu_user_annotation_events``, lines 916-1000 of torch 2.14.1: "the
+    chrome path builds them the same way", line 2078). Only the host's ranges are steps; a kernel is compute."""
+    host = [step(0, 100), step(200, 100), x("forward", 0, 50, cat="user_annotation")]
+    copies = [dict(x(name, ts, dur, tid=stream, cat="gpu_user_annotation"), pid=0)
+              for stream in (7, 20) for name, ts, dur in (("step", 5, 120), ("step", 210, 95), ("forward", 5, 60))]
+    kernels = [dict(x("void cutlass_gemm", 40, 30, tid=7, cat="kernel"), pid=0)]
+    summary = timeline.summarize(host + copies + kernels + [x("aten::conv2d", 0, 30)], rank=0)
+    assert summary["steps"] == [(0, 100), (200, 300)]
+    assert sum(timeline.shares(summary).values()) == pytest.approx(1)
+    assert timeline.step_seconds(summary) == [1e-4, 1e-4]
+    assert timeline.length(summary["spans"]["compute"]) == 30 + 30  # the host's op, then the kernel (40..70)
+    assert [name for name, _, _ in summary["phases"]] == ["forward"]
+
+
+def test_on_nccl_the_transfer_is_the_kernel_and_each_all_reduce_is_told_by_its_caller():
+    """ProcessGroupNCCL carries no collective on a thread of its own (ProcessGroupNCCL.hpp of torch 2.14.1: a
+    heartbeat monitor thread, line 685, a watchdog, line 749, a completion-hook thread, line 1378): the host's
+    ``nccl:all_reduce`` range is the launch, the transfer is an ``ncclDevKernel_*`` kernel on a stream, and the kernel
+    names the host op that launched it ("External id"). ShardTensor's all-reduces go through the functional
+    collectives (physicsnemo/domain_parallel/shard_utils/grad_ops.py, lines 29-32: GradReducer, for every
+    convolution's weight and bias, conv_patches.py lines 522-524); DDP's do not."""
+    events = [step(0, 1000),
+              x("_c10d_functional::all_reduce", 100, 20), x("c10d::allreduce_", 105, 10, **{"External id": 1}),
+              x("nccl:all_reduce", 106, 8, cat="user_annotation"),
+              x("c10d::allreduce_", 300, 10, **{"External id": 2}), x("nccl:all_reduce", 301, 8, cat="user_annotation"),
+              dict(x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 100, tid=9, cat="kernel", **{"External id": 1}),
+                   pid=0),
+              dict(x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 600, 50, tid=9, cat="kernel", **{"External id": 2}),
+                   pid=0)]
+    summary = timeline.summarize(events, rank=0)
+    assert summary["spans"]["all-reduce, ShardTensor (domain)"] == [(400, 500)]
+    assert summary["spans"]["all-reduce, DDP (ddp)"] == [(600, 650)]
+    assert [(kind, start) for kind, _, start, _ in summary["collectives"]] == [
+        ("all-reduce, DDP (ddp)", 600), ("all-reduce, ShardTensor (domain)", 400)]
+
+
+def test_on_gloo_each_all_reduce_is_matched_to_its_handover_by_shape():
+    """gloo carries collectives on each group's worker threads, from a queue per group (ProcessGroupGloo.hpp of torch
+    2.14.1: ``threads_``, line 478, ``workQueue_``, line 514): a DDP bucket's queue can start it before a gradient
+    ShardTensor handed over earlier, so the order alone would swap them; the shapes (``record_shapes``) do not."""
+    events = [step(0, 1000),
+              x("_c10d_functional::all_reduce", 10, 2),
+              x("c10d::allreduce_", 10.5, 1, **{"Input Dims": [[[16, 1, 3, 3]]]}),
+              x("c10d::allreduce_", 12.5, 0.2, **{"Input Dims": [[[500]]]}),  # DDP's bucket
+              x("_c10d_functional::all_reduce", 14, 3), x("c10d::allreduce_", 15, 1, **{"Input Dims": [[[16]]]}),
+              x("gloo:all_reduce", 13, 5, tid=2, cat="user_annotation", **{"Input Dims": [[500]]}),
+              x("gloo:all_reduce", 20, 10, tid=3, cat="user_annotation", **{"Input Dims": [[16, 1, 3, 3]]}),
+              x("gloo:all_reduce", 40, 10, tid=3, cat="user_annotation", **{"Input Dims": [[16]]})]
+    summary = timeline.summarize(events, rank=0)
+    assert summary["spans"]["all-reduce, DDP (ddp)"] == [(13, 18)]
+    assert summary["spans"]["all-reduce, ShardTensor (domain)"] == [(20, 30), (40, 50)]
+
+
+def test_the_figures_kinds_are_the_timelines():
+    from shardlab.plot import ranks
+
+    assert ranks.KINDS == (*timeline.COMMUNICATION, timeline.COMPUTE, timeline.IDLE)
+
+
+def test_the_merged_trace_goes_where_jupyterlabs_file_browser_shows_it_and_git_does_not():
+    """Notebook 14 writes it to ``traces/`` beside the notebooks (JupyterLab is rooted at notebooks/, ``make lab``)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "notebooks/traces/steps-4-ranks.json"], cwd=root)
+    assert ignored.returncode == 0

@@ -186,7 +186,8 @@ def scaling_table(args) -> dict:
     rows = []
     for name, heights in (("strong", {n: 128 for n in args.sizes}), ("weak", {n: 32 * n for n in args.sizes})):
         everyone = _gather_rows(timeline.scaling(small_unet, heights))
-        rows += [{"scaling": name, **r} for r in timeline.across_ranks(everyone, strong=name == "strong")]
+        rows += [{"scaling": name, **{k: v for k, v in r.items() if k != "kinds"}}  # the table keeps the total
+                 for r in timeline.across_ranks(everyone, strong=name == "strong")]
     return {"title": "scaling: unet(width=8, levels=3) forward+backward+SGD, DDP on ddp, the field over N domain "
                      "ranks, 3 profiled steps after one" + ("" if state.device.startswith("cuda")
                                                            else "; CPU ranks: the shape, not a GPU claim"),

@@ -1,11 +1,23 @@
 """Where a step's time goes on each rank: ``torch.profiler`` around a few steps, read back as intervals.
 
-A rank's trace (the Chrome trace the profiler exports, one per rank) holds two kinds of events that matter here:
-what the rank's main thread ran (ops, and the ``record_function`` phases a step names), and the collectives the
-process group's own threads carried (``gloo:all_reduce``, ``nccl:all_reduce`` ...). A collective's event lasts from
-when its group's thread took it up to when every member had taken part: transfer plus waiting for the slowest
-member. ``summarize`` turns one rank's trace into what ``sl.plot.timeline`` draws and the shares a lesson reports;
-``merge`` writes every rank's trace into one file that Perfetto and ``chrome://tracing`` open, a process per rank.
+A rank's trace (the Chrome trace the profiler exports, one per rank) holds what the rank's main thread ran (ops, and
+the ``record_function`` phases a step names) and the collectives' transfers, which run elsewhere:
+
+- on gloo, on the process group's own worker threads (``gloo:all_reduce`` ...; ProcessGroupGloo.hpp keeps
+  ``threads_`` and a ``workQueue_``, lines 478 and 514 of the installed torch 2.14.1 header): the event lasts from when
+  a worker took the collective up until every member had taken part, transfer plus waiting for the slowest member;
+- on NCCL, on the GPU, as ``ncclDevKernel_*`` kernels on a stream. ProcessGroupNCCL has no thread that carries
+  collectives (ProcessGroupNCCL.hpp: a heartbeat monitor, line 685, a watchdog, line 749, a completion-hook thread,
+  line 1378); its ``nccl:...`` events on the calling thread are the launch, not the transfer.
+
+Every all-reduce is told apart by who called it, from the main thread: ShardTensor goes through the functional
+collectives (``_c10d_functional::all_reduce``; physicsnemo/domain_parallel/shard_utils/grad_ops.py, lines 29-32),
+which is how every ShardTensor convolution sums its weight's and bias's gradients over the domain mesh in backward
+(``GradReducer``, grad_ops.py lines 106-138, applied in conv_patches.py lines 522-524); DDP calls its process group
+directly, once per bucket, over ``ddp``. At N > 1 a gradient is all-reduced twice.
+
+``summarize`` turns one rank's trace into what ``sl.plot.timeline`` draws and the shares a lesson reports; ``merge``
+writes every rank's trace into one file that Perfetto and ``chrome://tracing`` open, a process per rank.
 
 The traces' clocks are the ranks' wall clocks: on one machine they agree; across nodes, as well as the nodes' clocks
 agree. Introduced in ``notebooks/14_see_every_rank.ipynb``.
@@ -22,21 +34,28 @@ import tempfile
 from pathlib import Path
 
 # What each collective is for in a domain-parallel step, by the words in its event's name (gloo's and NCCL's
-# events, c10d's ops); the order is the order of the figure's legend.
+# events, c10d's ops).
 KINDS = {
     "halo exchange": ("all_to_all", "alltoall", "sendrecv", "send", "recv"),
     "all-reduce": ("all_reduce", "allreduce"),
     "reduce-scatter / all-gather": ("reduce_scatter", "allgather", "all_gather"),
     "scatter / broadcast": ("broadcast", "scatter"),
 }
+# An all-reduce, by its caller: ShardTensor (the functional collectives, over the domain mesh), or DDP (over ddp).
+SHARD_ALL_REDUCE, DDP_ALL_REDUCE = "all-reduce, ShardTensor (domain)", "all-reduce, DDP (ddp)"
+FUNCTIONAL = "_c10d_functional::"  # the functional collectives' ops on the calling thread
+ENQUEUE = "c10d::allreduce_"  # the op that hands an all-reduce to the process group, whoever called it
 COMPUTE, IDLE = "compute", "idle"
-COMMUNICATION = tuple(KINDS)
+# The order of the figure's legend.
+COMMUNICATION = ("halo exchange", SHARD_ALL_REDUCE, DDP_ALL_REDUCE, "reduce-scatter / all-gather",
+                 "scatter / broadcast")
 BACKENDS = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")  # events of the communication threads and kernels
+GPU_KERNELS = ("kernel", "gpu_memcpy", "gpu_memset")  # the categories of a GPU's work in a Kineto trace
 STEP = "step"  # the record_function name ``profile_steps`` puts around each step
 
 
 def kind_of(name: str) -> str | None:
-    """The communication kind of a collective's event name, or None for anything else."""
+    """The communication kind of a collective's event name (``KINDS``), or None for anything else."""
     if not name.startswith(BACKENDS):
         return None
     lowered = name.lower()
@@ -81,40 +100,89 @@ def summarize(events: list[dict], rank: int, base_us: float = 0.0) -> dict:
     """One rank's trace events (the Chrome trace's ``traceEvents``) as a plain dict, in µs of the rank's wall clock
     (``base_us``: the trace's ``baseTimeNanoseconds`` / 1000, which its times count from):
 
-    - ``steps``: each step's (start, end), from the ``record_function("step")`` spans;
+    - ``steps``: each step's (start, end), from the host's ``record_function("step")`` spans (category
+      ``user_annotation``: not their ``gpu_user_annotation`` copies on the GPU streams);
     - ``spans``: per kind of use (``COMMUNICATION`` kinds, then ``COMPUTE`` and ``IDLE``), the intervals of the steps
       it took; a collective in flight wins over compute that overlaps it (DDP's all-reduce runs during the backward),
-      compute is the main thread inside an op, idle is neither;
+      compute is the main thread inside an op or the GPU running a kernel, idle is neither;
+    - ``collectives``: each collective that began in a step, as (kind, phase, start, end);
     - ``phases``: the step's other ``record_function`` spans (forward, backward, ...) as (name, start, end);
     - ``memory``: the allocator's total after each allocation or free, (time, bytes), when memory was profiled: the
       GPU's allocator on a GPU rank, the CPU's on a CPU rank.
     """
     events = [dict(e, ts=float(e["ts"]) + base_us) if "ts" in e else e for e in events]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == STEP)
+    # The host's step ranges only: with CUDA activities on, Kineto copies each record_function range onto every GPU
+    # stream it covers, with the same name, as category "gpu_user_annotation".
+    ranges = [e for e in spans if e.get("cat") == "user_annotation"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] == STEP)
     if not steps:
         raise ValueError("no step in this trace: profile the steps with sl.measure.timeline.profile_steps (it puts "
                          "record_function('step') around each)")
-    main = next(e["tid"] for e in spans if e["name"] == STEP)
+    main = next(e["tid"] for e in ranges if e["name"] == STEP)
     window = (steps[0][0], steps[-1][1])
+    gpu = [e for e in spans if e.get("cat") in GPU_KERNELS]
+    on_gpu = any(kind_of(e["name"]) for e in gpu)  # NCCL: the transfers are kernels; the nccl: host events launch
+    transfers = [(e, kind_of(e["name"])) for e in (gpu if on_gpu else spans) if kind_of(e["name"])]
+    callers = _all_reduce_callers([e for e, kind in transfers if kind == "all-reduce"], spans, main)
+    transfers = [(e, callers.get(id(e), DDP_ALL_REDUCE) if kind == "all-reduce" else kind) for e, kind in transfers]
     inside = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main and e.get("cat") != "user_annotation"]
+    inside += [(e["ts"], e["ts"] + e["dur"]) for e in gpu if not kind_of(e["name"])]  # the GPU computing
     steps_only = lambda s: [x for a, b in steps for x in clip(s, a, b)]  # noqa: E731
     by_kind, taken = {}, []
     for kind in COMMUNICATION:
-        mine = steps_only([(e["ts"], e["ts"] + e["dur"]) for e in spans if kind_of(e["name"]) == kind])
+        mine = steps_only([(e["ts"], e["ts"] + e["dur"]) for e, k in transfers if k == kind])
         by_kind[kind] = minus(mine, taken)
         taken += by_kind[kind]
     by_kind[COMPUTE] = minus(steps_only(inside), taken)
     by_kind[IDLE] = minus(steps, taken + by_kind[COMPUTE])
-    named = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in spans
-             if e.get("cat") == "user_annotation" and e["name"] != STEP and e["tid"] == main]
+    named = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] != STEP and e["tid"] == main]
     # The step's own phases, not the annotations libraries put inside them (DistributedDataParallel.forward, ...).
     phases = sorted(p for p in named if not any(q is not p and q[1] <= p[1] and p[2] <= q[2] for q in named))
+    # Each collective of the steps, by kind and the phase it began in: how many each caller ran, and when.
+    collectives = sorted((k, next((n for n, a, b in phases if a <= e["ts"] <= b), "between phases"), e["ts"],
+                          e["ts"] + e["dur"]) for e, k in transfers if any(a <= e["ts"] < b for a, b in steps))
     allocations = [e for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
     device = max((e["args"].get("Device Type", 0) for e in allocations), default=0)  # 0: CPU; 1: CUDA
     memory = sorted((e["ts"], int(e["args"]["Total Allocated"])) for e in allocations
                     if e["args"].get("Device Type", 0) == device and window[0] <= e["ts"] <= window[1])
-    return {"rank": rank, "steps": steps, "spans": by_kind, "phases": phases, "memory": memory}
+    return {"rank": rank, "steps": steps, "spans": by_kind, "phases": phases, "memory": memory,
+            "collectives": collectives}
+
+
+def _dims(event: dict):
+    """The first input's shape, as the profiler recorded it (``record_shapes=True``), or None."""
+    dims = event.get("args", {}).get("Input Dims")
+    while isinstance(dims, list) and dims and isinstance(dims[0], list) and dims[0] and isinstance(dims[0][0], list):
+        dims = dims[0]  # c10d's ops take a list of tensors: the first one's shape
+    return tuple(dims[0]) if isinstance(dims, list) and dims and isinstance(dims[0], list) else None
+
+
+def _all_reduce_callers(transfers: list[dict], spans: list[dict], main) -> dict[int, str]:
+    """``SHARD_ALL_REDUCE`` or ``DDP_ALL_REDUCE`` for each all-reduce's transfer (by ``id``): the main thread's
+    ``c10d::allreduce_`` that handed it over, inside a functional collective (ShardTensor's) or not (DDP's).
+
+    A GPU kernel names the host op that launched it (its "External id"). A gloo worker's event names nothing: it is
+    the oldest handover not yet matched that began before it, of the same shape when shapes were recorded (each
+    group's queue runs in order; a shape tells apart a parameter's gradient from a DDP bucket, whose queues run side
+    by side)."""
+    functional = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main
+                  and e["name"].startswith(FUNCTIONAL) and "all_reduce" in e["name"]]
+    caller = lambda t: SHARD_ALL_REDUCE if any(a <= t <= b for a, b in functional) else DDP_ALL_REDUCE  # noqa: E731
+    by_id = {e["args"]["External id"]: e for e in spans if e["tid"] == main and "External id" in e.get("args", {})}
+    handovers = sorted((e for e in spans if e["tid"] == main and e["name"] == ENQUEUE), key=lambda e: e["ts"])
+    found, used = {}, set()
+    for t in sorted(transfers, key=lambda e: e["ts"]):
+        launched = by_id.get(t.get("args", {}).get("External id")) if t.get("cat") in GPU_KERNELS else None
+        if launched is not None:
+            found[id(t)] = caller(launched["ts"])
+            continue
+        before = [h for h in handovers if id(h) not in used and h["ts"] <= t["ts"]]
+        same = [h for h in before if _dims(h) is not None and _dims(h) == _dims(t)]
+        if chosen := (same or before or [None])[0]:
+            used.add(id(chosen))
+            found[id(t)] = caller(chosen["ts"])
+    return found
 
 
 def shares(summary: dict) -> dict[str, float]:
@@ -148,8 +216,9 @@ _KINETO_CHATTER = re.compile(r"^(USDT|ERROR):\S+ \S+ \S+ (SyncActivityProfilerHa
 
 
 @contextlib.contextmanager
-def _without_kineto_chatter():
-    """Standard error (the file descriptor: Kineto writes from C++) as it was, less ``_KINETO_CHATTER``'s lines."""
+def without_kineto_chatter():
+    """For a ``torch.profiler.profile`` block: standard error (the file descriptor: Kineto writes from C++) as it
+    was, less ``_KINETO_CHATTER``'s lines."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as caught:
@@ -167,7 +236,9 @@ def _without_kineto_chatter():
 
 def profile_steps(step, steps: int = 2, folder=None, memory: bool = False) -> dict:
     """On every rank together: ``step(i)`` for i in range(steps) under ``torch.profiler`` (CPU activity, and CUDA's
-    on a GPU rank), each inside ``record_function("step")``, after a barrier so that the ranks start together.
+    on a GPU rank; shapes recorded, which tell the all-reduces' callers apart), each inside
+    ``record_function("step")`` and, on a GPU rank, ending when the GPU has finished it (a step's span is then its
+    wall time, not the time to queue its kernels), after a barrier so that the ranks start together.
     Writes this rank's Chrome trace to ``folder/rank-<r>.json`` when ``folder`` is given; returns ``summarize`` of it.
     ``memory``: record every allocation and free (slower; what the memory timeline needs)."""
     import torch
@@ -177,12 +248,12 @@ def profile_steps(step, steps: int = 2, folder=None, memory: bool = False) -> di
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     rank = dist.get_rank()
     dist.barrier()
-    with _without_kineto_chatter(), profile(activities=activities, profile_memory=memory) as prof:
+    with without_kineto_chatter(), profile(activities=activities, record_shapes=True, profile_memory=memory) as prof:
         for i in range(steps):
             with record_function(STEP):
                 step(i)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
     if folder is not None:
         path = Path(folder) / f"rank-{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,11 +261,17 @@ def profile_steps(step, steps: int = 2, folder=None, memory: bool = False) -> di
         path = Path(tempfile.mkstemp(suffix=".json")[1])
     prof.export_chrome_trace(str(path))
     try:
-        trace = json.loads(path.read_text())
-        return summarize(trace["traceEvents"], rank, int(trace.get("baseTimeNanoseconds", 0)) / 1000)
+        return read(path, rank)
     finally:
         if folder is None:
             os.unlink(path)
+
+
+def read(path, rank: int) -> dict:
+    """``summarize`` of the Chrome trace a profiler exported to ``path`` (``export_chrome_trace``), on its rank's
+    wall clock."""
+    trace = json.loads(Path(path).read_text())
+    return summarize(trace["traceEvents"], rank, int(trace.get("baseTimeNanoseconds", 0)) / 1000)
 
 
 def merge(folder, out) -> Path:
@@ -216,6 +293,7 @@ def merge(folder, out) -> Path:
         merged.append({"ph": "M", "name": "process_name", "pid": f"rank {rank}", "args": {"name": f"rank {rank}"}})
         merged.append({"ph": "M", "name": "process_sort_index", "pid": f"rank {rank}", "args": {"sort_index": rank}})
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
     return out
 
@@ -224,8 +302,8 @@ def scaling(make_model, heights: dict[int, int], width: int = 64, steps: int = 3
     """On every rank together: for each domain size N of ``heights`` ({N: the field's height at N}, each N dividing
     the world size), a (world/N, N) mesh, ``make_model()`` on this rank's device wrapped in DDP on ``ddp``, one
     random (1, 1, height, width) field per replica scattered over ``domain`` (a plain tensor at N = 1), one step to
-    warm up, then ``steps`` profiled steps. Rows of this rank: N, rows per rank, the median step in seconds, and the
-    share of the steps with a collective in flight."""
+    warm up, then ``steps`` profiled steps. Rows of this rank: N, rows per rank, the median step in seconds, the
+    share of the steps with a collective in flight, and that share by kind (``kinds``)."""
     import statistics
 
     import torch
@@ -257,16 +335,20 @@ def scaling(make_model, heights: dict[int, int], width: int = 64, steps: int = 3
         step(0)
         summary = profile_steps(step, steps)
         rows.append({"N": n, "rows per rank": -(-height // n), "step_s": statistics.median(step_seconds(summary)),
-                     "communication": communication_share(summary)})
+                     "communication": communication_share(summary),
+                     "kinds": {k: v for k, v in shares(summary).items() if k in COMMUNICATION}})
     return rows
 
 
 def across_ranks(per_rank: list[list[dict]], strong: bool) -> list[dict]:
     """Every rank's ``scaling`` rows as one table: per N, the slowest rank's median step (a step ends when its
-    slowest rank's does), the ranks' mean share with a collective in flight, and the ideal step from the first N:
+    slowest rank's does), the ranks' mean share with a collective in flight (and by kind), and the ideal step from the
+    first N:
     t·N₀/N in strong scaling (one field), t in weak scaling (the field grows with N)."""
     rows = [{"N": mine[0]["N"], "rows per rank": mine[0]["rows per rank"], "step_s": max(r["step_s"] for r in mine),
-             "communication": sum(r["communication"] for r in mine) / len(mine)} for mine in zip(*per_rank)]
+             "communication": sum(r["communication"] for r in mine) / len(mine),
+             "kinds": {k: sum(r.get("kinds", {}).get(k, 0.0) for r in mine) / len(mine) for k in COMMUNICATION}}
+            for mine in zip(*per_rank)]
     for r in rows:
         r["ideal_s"] = rows[0]["step_s"] * (rows[0]["N"] / r["N"] if strong else 1)
     return rows

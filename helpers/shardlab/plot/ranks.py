@@ -9,8 +9,9 @@ from __future__ import annotations
 from ._base import _LABEL_BOX, _category_colour, _new_figure, _plain_ticks, _units, rank_colour
 
 # The kinds of use, as sl.measure.timeline names them (plot may not import measure: they share a layer).
-KINDS = ("halo exchange", "all-reduce", "reduce-scatter / all-gather", "scatter / broadcast", "compute", "idle")
-_COLOURS = {kind: _category_colour(i) for i, kind in enumerate(KINDS[:4])} | {"compute": (0.35, 0.35, 0.35, 1.0),
+KINDS = ("halo exchange", "all-reduce, ShardTensor (domain)", "all-reduce, DDP (ddp)", "reduce-scatter / all-gather",
+         "scatter / broadcast", "compute", "idle")
+_COLOURS = {kind: _category_colour(i) for i, kind in enumerate(KINDS[:5])} | {"compute": (0.35, 0.35, 0.35, 1.0),
                                                                                "idle": (0.92, 0.92, 0.92, 1.0)}
 
 

@@ -288,8 +288,9 @@ def _rank_process_settings(timeout: timedelta) -> None:
 
     - torch's module default timeouts: device-mesh subgroups are created without a timeout and
       fall back to them (30 min for gloo, 10 min for nccl); a tutorial must fail fast instead.
-    - torch's Flight Recorder on (``flight.enable``): each rank keeps the collectives it entered, gloo's as well
-      as NCCL's, so a hang can be read on every rank (notebook 14, ``sl.ranks.panel``).
+    - torch's Flight Recorder (on by default, 2,000 entries) shrunk to ``flight.BUFFER_ENTRIES`` (``flight.enable``):
+      each rank keeps the collectives it entered, gloo's as well as NCCL's, so a hang can be read on every rank
+      (notebook 14, ``sl.ranks.panel``).
     - a warnings filter: PhysicsNeMo 2.2.2 calls a collective that torch 2.14 deprecates, and the
       FutureWarning would print on every rank for every redistribute with nothing to act on.
     """
