@@ -21,6 +21,8 @@ import random
 import sys
 from typing import TYPE_CHECKING
 
+from . import progress
+
 if TYPE_CHECKING:  # torch loads on first use: a notebook kernel checks answers without it
     from .measure.collectives import Event
 
@@ -28,9 +30,55 @@ if TYPE_CHECKING:  # torch loads on first use: a notebook kernel checks answers 
 class NotSolved(AssertionError):
     """The answer is missing or wrong; the message says which part, and a hint."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it (``InteractiveShell.showtraceback`` asks an exception for these lines): the
+        message and its hint, none of the judge's code. The cell still fails, and nbmake sees it fail."""
+        return [f"NotSolved: {self}"]
+
+
+# "report": a failed check says so and Run All goes on (the learners' copy: `make lab-handout` sets it); else it
+# raises, and the cell fails. Under pytest (nbmake, the suite) it always raises.
+CHECKS = "SHARDLAB_CHECKS"
+
+
+def _goes_on() -> bool:
+    import os
+
+    return os.environ.get(CHECKS) == "report" and "PYTEST_CURRENT_TEST" not in os.environ
+
+
+def _reported(check):
+    """A check that, in the learners' copy, shows a failed answer's message and lets the notebook go on."""
+    import functools
+
+    @functools.wraps(check)
+    def run(*args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except NotSolved as error:
+            if not _goes_on():
+                raise
+            print(f"NotSolved: {error}\n(Run All goes on: change the answer, then run it and this check again.)",
+                  file=sys.stderr)
+
+    return run
+
 
 def _blank(value) -> bool:
-    return value is Ellipsis or value is None
+    """Not answered yet: ``...``, None, or a function whose body does nothing (the handout's blank keeps the
+    signature and docstring, with ``...`` for a body)."""
+    return value is Ellipsis or value is None or _does_nothing(value)
+
+
+def _does_nothing(value) -> bool:
+    """A Python function whose code only returns None: ``def f(x): ...``, with or without a docstring."""
+    import dis
+
+    code = getattr(value, "__code__", None)
+    if code is None:
+        return False
+    steps = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP", "CACHE")]
+    return steps in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
 
 
 def _same(got, expected) -> bool:
@@ -44,15 +92,19 @@ def _same(got, expected) -> bool:
     return got == expected
 
 
+@_reported
 def answer(got, expected, what: str, hint: str = "") -> None:
     """One answer for the whole notebook (no ranks involved)."""
     if _blank(got):
         raise NotSolved(f"{what}: not answered yet (answer is still {got!r}).")
     if not _same(got, expected):
+        progress.record(what, False)
         raise NotSolved(f"{what}: got {got!r}, which is not right. {hint}".strip())
+    progress.record(what, True)
     print(f"✓ {what}: {got!r}")
 
 
+@_reported
 def per_rank(got: list, expected: list, what: str, hint: str = "") -> None:
     """One answer per rank (``cluster.view.pull("answer")``), each against that rank's expected value.
 
@@ -71,21 +123,32 @@ def _report(verdicts: list, what: str, hint: str) -> None:
     if all(v == "blank" for v in verdicts):
         raise NotSolved(f"{what}: not answered yet on any rank.")
     wrong = [rank for rank, v in enumerate(verdicts) if v is not None]
+    progress.record(what, not wrong)
     if wrong:
         first = next((v for v in verdicts if v not in (None, "blank")), "not answered yet")
         raise NotSolved(f"{what}: wrong on rank(s) {wrong}: {first.rstrip('.')}. {hint}".strip())
 
 
+OUT_OF_STEP = "out of step"  # a verdict's tag: the judge met a broken process group, and judged nothing
+
+
 def _judge_here(judge, *values):
-    """Runs on a rank: the judge's verdict on that rank's values ("blank" if any is still ``...``)."""
+    """Runs on a rank: the judge's verdict on that rank's values ("blank" if any is still ``...``; (OUT_OF_STEP, the
+    error) if a collective of the judge found the ranks' process group broken)."""
     if any(_blank(v) for v in values):
         return "blank"
     try:
         return judge(*values)
-    except Exception as error:  # the learner's object broke the judge: that is a wrong answer, said plainly
-        return f"checking it raised {type(error).__name__}: {error}"
+    except Exception as error:
+        said = f"{type(error).__name__}: {error}"
+        from .ranks.px import broken_group  # on the ranks, where ipyparallel is
+
+        if broken_group(said):  # not the answer's fault: the ranks cannot run a collective together any more
+            return (OUT_OF_STEP, said)
+        return f"checking it raised {said}"  # the learner's object broke the judge: a wrong answer, said plainly
 
 
+@_reported
 def on_ranks(cluster, judge, *names: str, what: str, hint: str = "") -> None:
     """Judge, on every rank, the learner's objects called ``names`` (``judge(*objects)`` runs where they live).
 
@@ -95,14 +158,23 @@ def on_ranks(cluster, judge, *names: str, what: str, hint: str = "") -> None:
     from ipyparallel import Reference
 
     verdicts = cluster.view.apply_sync(_judge_here, judge, *(Reference(name) for name in names))
+    broken = {rank: v[1] for rank, v in enumerate(verdicts) if isinstance(v, (tuple, list)) and v[0] == OUT_OF_STEP}
+    if broken:  # no verdict is printed: the answer was not judged
+        from .ranks.px import OutOfStep, out_of_step
+
+        cause = getattr(getattr(cluster, "_px", None), "partial_failure", None)  # what %%px saw fail, if anything
+        first, *rest = out_of_step(broken, cause)
+        raise OutOfStep("\n".join([f"{what}: not checked. {first}", *rest]))
     _report(verdicts, what, hint)
 
 
+@_reported
 def judged(judge, *values, what: str, hint: str = "") -> None:
     """One answer in this kernel, judged by ``judge(*values)`` like ``on_ranks`` does on the ranks."""
     verdict = _judge_here(judge, *values)
     if verdict == "blank":
         raise NotSolved(f"{what}: not answered yet.")
+    progress.record(what, verdict is None)
     if verdict is not None:
         raise NotSolved(f"{what}: {verdict.rstrip('.')}. {hint}".strip())
     print(f"✓ {what}")

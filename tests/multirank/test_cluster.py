@@ -178,6 +178,28 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsy
     assert not profile.exists() and not (sl.ranks.procs.registry() / f"{cluster.cluster_id}.json").exists()
 
 
+@pytest.mark.multirank
+def test_a_notebook_run_again_stops_its_earlier_cluster_first_and_a_refused_start_stops_nothing(no_leftovers,
+                                                                                                capsys):
+    """Run All twice in one kernel reaches sl.start_cluster() again: one set of ranks at a time, not two."""
+    first = sl.start_cluster(n=2, device="cpu", activate=False, keep_warm=False)
+    try:
+        with pytest.raises(sl.ranks.devices.DeviceError):
+            sl.start_cluster(n=64, device="cuda", activate=False, keep_warm=False)
+        assert first.alive_processes(), "a refused request stopped the running cluster"
+        capsys.readouterr()
+        second = sl.start_cluster(n=2, device="cpu", activate=False, keep_warm=False)
+        try:
+            assert "Stopping this kernel's cluster from an earlier run (2 CPU ranks) first" in capsys.readouterr().out
+            assert not first.alive_processes() and second.alive_processes()
+            second.view.execute("import torch.distributed as dist; world = dist.get_world_size()")
+            assert second.view.pull("world") == [2, 2]
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+
+
 # -- who starts the engines: arguments, else the environment (so notebooks run unchanged) --------------------
 
 

@@ -65,6 +65,9 @@ class NotebookRun:
     kernel_seconds: dict[int, float] = field(default_factory=dict)  # the same, as the kernel's clock saw them
     seconds: float = 0.0  # the whole run, kernel start and shutdown included
     last_cell: int = 0  # the cell run last: the one that failed or timed out, if one did
+    rerun: range | None = None  # the cells run a second time in the same kernel, if any (``rerun_span``)
+    rerun_seconds: float = 0.0  # how long that second pass took
+    notebook: object = None  # the notebook as run, with every cell's outputs (a rehearsed answer's are not kept)
 
     def slowest_cells(self, count: int = SLOWEST_SHOWN) -> list[str]:
         """The ``count`` slowest cells: index, seconds (and the kernel's share of them), first line."""
@@ -78,7 +81,9 @@ class NotebookRun:
         outside = self.seconds - sum(self.cell_seconds.values())
         return "\n".join([f"{self.path.name} {outcome} after {self.seconds:.0f} s; slowest cells:",
                           *("  " + line for line in self.slowest_cells()),
-                          f"  outside cells (kernel start, shutdown, temp folder check): {outside:.1f} s"])
+                          f"  outside cells (kernel start, shutdown, temp folder check): {outside:.1f} s",
+                          *([f"  cells {self.rerun.start}..{self.rerun.stop - 1} run again in the same kernel: "
+                             f"{self.rerun_seconds:.1f} s (in the cells' times above)"] if self.rerun else [])])
 
 
 def first_line(source: str) -> str:
@@ -117,6 +122,26 @@ def _run(client: NotebookClient, cell, index: int, run: NotebookRun) -> tuple[st
     return None, ""
 
 
+STARTS_RANKS = ("start_cluster(", "MPICluster(")
+
+
+def rerun_span(cells) -> range | None:
+    """The cells a learner runs again without restarting the kernel (Run All Above from an exercise, or Run All a
+    second time), less the cell that starts the ranks, so that the running cluster is reused: from the code cell after
+    the first that starts ranks (else from the first code cell) to the last exercise's check, else to the last code
+    cell before the cell that stops the ranks at the end. None when that leaves nothing."""
+    code = [i for i, cell in enumerate(cells) if cell.cell_type == "code"]
+    starts = [i for i in code if any(call in cells[i].source for call in STARTS_RANKS)]
+    first = next((i for i in code if i > starts[0]), None) if starts else (code[0] if code else None)
+    solutions = [i for i in code if SOLUTION_TAG in cells[i].metadata.get("tags", [])]
+    if solutions:
+        last = next(i for i in code if i > solutions[-1])  # the check after the last solution
+    else:
+        stops = [i for i in code if ".stop()" in cells[i].source]
+        last = max((i for i in code if not stops or i < stops[-1]), default=None)
+    return range(first, last + 1) if first is not None and last is not None and first <= last else None
+
+
 def left_in_temp_folder(folder: Path) -> list[str]:
     """What a notebook run left in its temp folder besides torch.compile's kernel cache (kept on purpose) and an
     empty process registry (a record left in it is a cluster that was never stopped)."""
@@ -132,19 +157,21 @@ def left_in_temp_folder(folder: Path) -> list[str]:
 
 
 def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env: dict | None = None,
-                 slow_s: float = SLOW_S) -> NotebookRun:
+                 slow_s: float = SLOW_S, rerun: bool = False) -> NotebookRun:
     """Execute every cell of ``path`` (a failing cell raises CellExecutionError, as under nbmake) and
     return what each rehearsed answer did to its check. The kernel, and all it starts, get a temp folder of
     their own; a run that leaves files in it fails. The kernel gets the session's pool of warm clusters
     (conftest.py): its ``sl.start_cluster()`` attaches to the ranks the previous notebook parked, reset.
     Every run prints its slowest cells (pytest shows them for a failure, a cell's ``timeout_s`` included, or with
-    ``-rP``); a run slower than ``slow_s`` also warns with them (``SlowNotebook``, in pytest's warnings summary)."""
+    ``-rP``); a run slower than ``slow_s`` also warns with them (``SlowNotebook``, in pytest's warnings summary).
+    ``rerun``: once the first pass has run the last cell of ``rerun_span``, those cells run again in the same kernel
+    on the same ranks (as a learner's Run All Above does), then the rest of the notebook."""
     nb = nbformat.read(path, as_version=4)
     # CurveZMQ between this process and the kernel, as `make lab` has it: the kernel then prints no warning about TCP.
     # As configuration, not a kernel manager of ours: the client then owns its manager and shuts the kernel down.
     client = NotebookClient(nb, timeout=timeout_s, kernel_name="shardlab", config=CURVE_KERNELS,
                             resources={"metadata": {"path": str(path.parent)}})
-    run = NotebookRun(path)
+    run = NotebookRun(path, notebook=nb)
     env = os.environ if env is None else env
     # A %%px cell stuck on some rank fails naming the rank, before this client's own cell timeout cuts it blind.
     env = {px.CELL_TIMEOUT: f"{max(timeout_s - 60, timeout_s / 2):.0f}"} | env
@@ -153,6 +180,7 @@ def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"{path.stem}-tmp-") as temp_folder:
         try:
+            run.rerun = rerun_span(nb.cells) if rerun else None
             _execute(client, nb, run, rehearse, env | {"TMPDIR": temp_folder})
         except BaseException as error:
             run.seconds = time.perf_counter() - t0
@@ -252,3 +280,14 @@ def _execute_cells(client: NotebookClient, nb, run: NotebookRun, rehearse: bool)
                 ename, evalue = _run(client, copy.deepcopy(check), index + 1, run)
                 run.rehearsals.append(Rehearsal(index, why, ename, evalue))
         _timed(client, cell, index, run)
+        if run.rerun is not None and index == run.rerun[-1]:
+            t0 = time.perf_counter()
+            try:
+                for again in run.rerun:
+                    if nb.cells[again].cell_type == "code":
+                        _timed(client, nb.cells[again], again, run)
+            except CellExecutionError as error:
+                error.add_note(f"(in the second pass: cells {run.rerun.start}..{run.rerun.stop - 1} run again in the "
+                               "same kernel, as Run All Above does)")
+                raise
+            run.rerun_seconds = time.perf_counter() - t0

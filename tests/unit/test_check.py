@@ -4,6 +4,7 @@ without giving the answer away (the notebooks rehearse every exercise with them:
 import pytest
 
 from shardlab import check
+from shardlab.ranks import px as sl_px
 
 
 class _Ranks:
@@ -141,3 +142,91 @@ def test_earlier_object_names_an_object_or_storage_from_the_namespace_and_nothin
     assert check.earlier_object(namespace["answer"], learner) == said.format("answer")
     assert check.earlier_object(3, learner) is None  # small constants are not objects from earlier
     assert check.earlier_object(torch.arange(6.0), learner) is None
+
+
+SHELL_PROBE = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance(colors="nocolor")
+result = shell.run_cell('''
+import shardlab as sl
+sl.check.judged(lambda value: "it read 1216 bytes, where this rank's rows lie in 320", 3, what="the slab read",
+                hint="Index the array with this rank's rows before converting it.")
+''')
+print("FAILED WITH", type(result.error_in_exec).__name__)
+"""
+
+
+def test_a_wrong_answer_shows_its_message_and_hint_and_none_of_the_judges_code(fresh_python):
+    """In IPython, as in a notebook: one line for the learner, no traceback into check.py; the cell still fails."""
+    out = fresh_python.run(SHELL_PROBE, timeout_s=60).stdout
+    shown = out.split("FAILED WITH")[0].strip().splitlines()
+    assert shown == ["NotSolved: the slab read: it read 1216 bytes, where this rank's rows lie in 320. Index the array "
+                     "with this rank's rows before converting it."], out
+    assert out.strip().endswith("FAILED WITH NotSolved"), out
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+               "[127.0.0.1]:8927. This is typically caused by a remote worker crashing. GLHF!")
+
+
+def test_a_judge_that_meets_a_broken_process_group_judges_nothing_and_says_the_ranks_are_out_of_step(capsys):
+    def judge(answer):  # a right answer; the judge's own broadcast finds the group broken on rank 1
+        if answer == "rank 1":
+            raise RuntimeError(GLOO_CLOSED)
+        return None
+
+    ranks = _Ranks([{"answer": "rank 0"}, {"answer": "rank 1"}])
+    with pytest.raises(sl_px.OutOfStep) as raised:
+        check.on_ranks(ranks, judge, "answer", what="the slab", hint="Read fewer rows.")
+    message = str(raised.value)
+    assert message.startswith("the slab: not checked. The ranks are out of step: rank(s) [1] found their process "
+                              "group broken (RuntimeError: Connection closed by peer [127.0.0.1]:8927."), message
+    assert "an earlier cell failed" not in message and "a cell failed, or was interrupted, on some ranks" in message
+    assert "run cluster.restart()" in message and "Read fewer rows" not in message
+    assert capsys.readouterr().out == ""  # no ✓ or ✗: nothing was judged
+    assert raised.value._render_traceback_()[0].startswith("OutOfStep: the slab: not checked.")
+
+
+def test_an_error_that_is_not_about_the_process_group_is_still_the_answers_fault():
+    with pytest.raises(check.NotSolved, match=r"checking it raised RuntimeError: expected a ShardTensor"):
+        check.on_ranks(_Ranks([{"answer": 3}]), lambda a: (_ for _ in ()).throw(RuntimeError("expected a ShardTensor")),
+                       "answer", what="rows")
+
+
+def test_in_the_learners_copy_a_failed_check_says_so_and_lets_run_all_go_on(monkeypatch, capsys):
+    from shardlab import check
+
+    monkeypatch.setenv(check.CHECKS, "report")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as in a learner's kernel
+    check.answer(3, 4, "the number of ranks", hint="Count the engines.")  # no exception
+    said = capsys.readouterr().err
+    assert said.startswith("NotSolved: the number of ranks: got 3, which is not right. Count the engines.")
+    assert "Run All goes on" in said
+    check.judged(lambda v: None, 1, what="the answer")  # a right one still says ✓
+    assert "✓ the answer" in capsys.readouterr().out
+
+
+def test_under_pytest_and_in_the_instructor_copy_a_failed_check_fails_the_cell(monkeypatch):
+    from shardlab import check
+
+    monkeypatch.setenv(check.CHECKS, "report")  # pytest is running: nbmake must see the failure
+    with pytest.raises(check.NotSolved):
+        check.answer(3, 4, "the number of ranks")
+    monkeypatch.delenv(check.CHECKS)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    with pytest.raises(check.NotSolved):
+        check.answer(3, 4, "the number of ranks")
+
+
+def test_each_check_reports_to_the_class_folder_where_one_is_set_up(monkeypatch, tmp_path):
+    from shardlab import check, progress
+
+    monkeypatch.setenv(progress.CLASS_DIR, str(tmp_path))
+    monkeypatch.setenv("JUPYTERHUB_USER", "ana")
+    with pytest.raises(check.NotSolved):
+        check.answer(3, 4, "the number of ranks")
+    check.answer(4, 4, "the number of ranks")
+    with pytest.raises(check.NotSolved, match="not answered yet"):
+        check.answer(..., 4, "the number of ranks")  # a blank is not a try
+    assert [(r["exercise"], r["passed"]) for r in progress.read_class(tmp_path)] == [
+        ("the number of ranks", False), ("the number of ranks", True)]

@@ -107,3 +107,26 @@ def test_every_px_cell_has_a_deadline(monkeypatch):
     monkeypatch.setenv(CELL_TIMEOUT, "4 min")
     with pytest.raises(ClusterError, match="SHARDLAB_CELL_TIMEOUT_S='4 min' is not a number of seconds"):
         resolve_cell_timeout()
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+               "[127.0.0.1]:8927. This is typically caused by a remote worker crashing. GLHF!")
+
+
+def test_a_cell_that_meets_a_group_broken_earlier_blames_no_rank_for_a_time_out():
+    errors = [(0, "RuntimeError", "Application timeout caused pair closure"), (1, "RuntimeError", GLOO_CLOSED)]
+    lines = summarize_rank_errors(errors, [0, 1])
+    assert len(lines) == 2 and not any("timed out in a collective" in line for line in lines), lines
+
+
+def test_out_of_step_says_which_ranks_why_and_what_to_do():
+    from shardlab.ranks.px import broken_group, out_of_step
+
+    assert broken_group(f"RuntimeError: {GLOO_CLOSED}") and broken_group(f"RuntimeError: {GLOO_TIMEOUT}")
+    assert not broken_group("ValueError: expected a ShardTensor") and not broken_group("KeyError: 'x'")
+    lines = out_of_step({0: f"RuntimeError: {GLOO_CLOSED}"}, "an earlier %%px cell failed on rank(s) [1] only")
+    assert lines[0] == ("The ranks are out of step: rank(s) [0] found their process group broken (RuntimeError: "
+                        "Connection closed by peer [127.0.0.1]:8927. This is typically caused by a remote worker "
+                        "crashing. GLHF!).")
+    assert lines[1].startswith("Why: an earlier %%px cell failed on rank(s) [1] only; the other ranks went on")
+    assert lines[2].startswith("What to do: run cluster.restart() for fresh ranks")

@@ -209,9 +209,10 @@ class MPICluster:
         """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
         return self.wait(self.view.execute(code, block=False), timeout_s, what)
 
-    def activate(self, progress: bool = False, cell_timeout_s: float | None = None) -> MPICluster:
+    def activate(self, progress: bool | None = None, cell_timeout_s: float | None = None) -> MPICluster:
         """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary; a
-        cell busy on some rank past ``cell_timeout_s`` (default: ``px.resolve_cell_timeout``) fails, naming them."""
+        cell busy on some rank past ``cell_timeout_s`` (default: ``px.resolve_cell_timeout``) fails, naming them.
+        ``progress``: a bar of the ranks done for a cell still running after 2 s (default: ``px.progress_wanted``)."""
         if self._px is not None:
             self._px.stop()
         self._activated = {"progress": progress, "cell_timeout_s": cell_timeout_s}
@@ -326,6 +327,15 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     reset to a fresh start's state, in seconds (``cluster.attached`` says so), and ``cluster.stop()`` keeps them
     for the next notebook; ``keep_warm=False`` always starts and stops ranks of its own.
     """
-    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options).start()
+    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options)  # refused here
+    for earlier in _started_here:  # a notebook run again (Run All, Run All Above) reaches its setup cell again
+        if earlier._cluster is not None:
+            print(f"Stopping this kernel's cluster from an earlier run ({earlier.placement.label}) first: one set of "
+                  "ranks at a time.")
+            earlier.stop()
+    _started_here[:] = [cluster.start()]
     return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster
+
+
+_started_here: list[MPICluster] = []  # what start_cluster started in this process
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 import ipyparallel as ipp
 from ipyparallel.error import AlreadyDisplayedError, CompositeError
@@ -18,6 +19,7 @@ from IPython.display import display
 
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(cc|cpp|h):\d+\] ")
+_SOURCE_ANYWHERE = re.compile(r"\[[^\]]+\.(cc|cpp|h):\d+\] ")
 
 
 class ClusterError(RuntimeError):
@@ -50,7 +52,7 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int],
         first = next(iter((message or "").strip().splitlines()), "")
         first = _SOURCE_PREFIX.sub("", first)  # gloo prefixes its C++ file and line: noise for a learner
         lines.append(f"rank {rank}: {name}: {first[:200]}")
-        if _TIMEOUT.search(f"{name} {message}"):
+        if _TIMEOUT.search(f"{name} {message}") and "caused pair closure" not in message:  # an earlier time-out
             timed_out.append(rank)
     died = sorted(rank for rank, name, message in errors if name == "EngineError" and " died" in message)
     hosts = hosts or {}
@@ -72,6 +74,40 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int],
         else:
             lines.append(f"every rank {timed_out} timed out: a collective nobody completed (mismatched calls?).")
     return lines
+
+
+# What a collective raises once the ranks' process group is broken: gloo when a peer left a collective (timed out,
+# raised, or was interrupted) and closed its connections, NCCL when its watchdog aborted the communicator. Nothing on
+# the ranks mends a group after that.
+_BROKEN_GROUP = re.compile(r"Connection closed by peer|Connection reset by peer|caused pair closure|Broken pipe|"
+                           r"Timed out waiting \d+ ?ms|NCCL communicator was aborted|Watchdog caught collective|"
+                           r"DistBackendError", re.IGNORECASE)
+
+
+def broken_group(error_text: str) -> bool:
+    """Whether an error ("Name: message") is a collective meeting a broken process group."""
+    return bool(_BROKEN_GROUP.search(error_text))
+
+
+class OutOfStep(ClusterError):
+    """The ranks' process group broke: until fresh ranks start, no collective (and no check) can run. Shown as its
+    message alone: the learner has one thing to do, and no traceback helps with it."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"OutOfStep: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+def out_of_step(broken: dict[int, str], cause: str | None = None) -> list[str]:
+    """What to tell the learner when rank(s) ``broken`` ({rank: "Name: message"}) found the process group broken:
+    that the ranks are out of step, why, and the one thing to do. ``cause``: what failed on some ranks only, when
+    known (e.g. "rank(s) [1] raised ValueError in an earlier %%px cell")."""
+    first = _SOURCE_ANYWHERE.sub("", next(iter(broken.values())).strip().splitlines()[0])[:160]
+    why = cause or "a cell failed, or was interrupted, on some ranks but not on the others"
+    return [f"The ranks are out of step: rank(s) {sorted(broken)} found their process group broken ({first}).",
+            f"Why: {why}; the other ranks went on into a collective that those never joined, waited until it timed "
+            "out, and the connections between the ranks closed. A process group does not recover from that.",
+            "What to do: run cluster.restart() for fresh ranks, then run the cells again from the one after "
+            "sl.start_cluster() (or restart the kernel and run the notebook from the top)."]
 
 
 def busy_ranks(async_result, targets: list[int]) -> list[int]:
@@ -113,11 +149,17 @@ def with_deadline(execute, targets: list[int], timeout_s: float):
 
     def execute_with_deadline(*args, **kwargs):
         result = execute(*args, **kwargs)
-        get = result.get
+        get, wait_interactive, deadline = result.get, result.wait_interactive, time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        def wait_interactive_until_deadline(*args, **options):  # the progress bar waits with no end of its own
+            return wait_interactive(*args, **options | {"timeout": left()})
 
         def get_with_deadline(timeout=None, **options):
             try:
-                return get(timeout=timeout_s if timeout is None else timeout, **options)
+                return get(timeout=left() if timeout is None else timeout, **options)
             except ipp.error.TimeoutError:
                 busy = busy_ranks(result, targets)
                 result.display_outputs = lambda *args, **kwargs: None  # %%px shows outputs; none are ready
@@ -128,10 +170,21 @@ def with_deadline(execute, targets: list[int], timeout_s: float):
                     f"sl.start_cluster(cell_timeout_s=...) or {CELL_TIMEOUT}."
                 ) from None
 
-        result.get = get_with_deadline
+        result.get, result.wait_interactive = get_with_deadline, wait_interactive_until_deadline
         return result
 
     return execute_with_deadline
+
+
+PROGRESS_AFTER_S = 2  # a %%px cell still running after this shows how many ranks are done (ipyparallel's bar)
+
+
+def progress_wanted(environ=None) -> bool:
+    """Whether ``%%px`` cells show a progress bar: in JupyterLab (or any notebook a person watches) yes; in a notebook
+    run from pytest (nbmake, the suite's own runner) no, so its saved outputs stay what the cells print. pytest sets
+    PYTEST_CURRENT_TEST, which the kernel it starts inherits: the same mark ipykernel reads to leave low-level output
+    alone under pytest (ipykernel 7.4, iostream.py, OutStream)."""
+    return "PYTEST_CURRENT_TEST" not in (os.environ if environ is None else environ)
 
 
 class PxCells:
@@ -139,21 +192,32 @@ class PxCells:
     per-rank summary above the tracebacks of a failing cell (the cell still fails). ``stop()`` puts the shell's
     previous exception handler back. Outside IPython, nothing is changed."""
 
-    def __init__(self, view, ranks: list[int], progress: bool = False, cell_timeout_s: float | None = None,
+    def __init__(self, view, ranks: list[int], progress: bool | None = None, cell_timeout_s: float | None = None,
                  hosts: dict[int, str] | None = None):
         self.shell, self.ranks, self.hosts, self._previous = get_ipython(), list(ranks), hosts, None
+        self.partial_failure: str | None = None  # the last cell that failed on some ranks only: what broke a group
         if self.shell is None:
             return
         view.block = True
         view.execute = with_deadline(view.execute, self.ranks, resolve_cell_timeout(cell_timeout_s))
         view.activate()
-        self.shell.run_line_magic("pxconfig", "--no-stream" + ("" if progress else " --progress-after -1"))
+        progress = progress_wanted() if progress is None else progress
+        self.shell.run_line_magic("pxconfig", f"--no-stream --progress-after {PROGRESS_AFTER_S if progress else -1}")
         self._previous = (self.shell.custom_exceptions, self.shell.CustomTB)
         self.shell.set_custom_exc((CompositeError, AlreadyDisplayedError), self._show_summary)
 
     def _show_summary(self, shell, etype, value, tb, tb_offset=None):
-        summary = summarize_rank_errors(rank_errors(value), self.ranks, self.hosts)
+        errors = rank_errors(value)
+        summary = summarize_rank_errors(errors, self.ranks, self.hosts)
         header = ["The %%px cell failed on the cluster:", *("  " + line for line in summary), ""]
+        broken = {rank: f"{name}: {message}" for rank, name, message in errors if broken_group(f"{name}: {message}")}
+        stopped = sorted({rank for rank, _, _ in errors} - set(broken))  # raised on their own, here
+        raised = ", ".join(sorted({name for rank, name, _ in errors if rank in stopped}))
+        if broken:
+            cause = f"in this cell rank(s) {stopped} raised {raised}" if stopped else self.partial_failure
+            header = [*out_of_step(broken, cause), "", *header]
+        if stopped and stopped != self.ranks:  # they stopped where the others went on: remembered for later cells
+            self.partial_failure = f"an earlier %%px cell failed on rank(s) {stopped} only ({raised})"
         # IPython discards a custom handler's return value: the handler must show the error itself, as an
         # "error" output, or nbmake would not see the failure.
         shell._showtraceback(etype, value, header + value.render_traceback())
