@@ -20,6 +20,11 @@ LAB_OPTIONS = $(if $(call from_command_line,PORT),--ServerApp.port=$(PORT) --Ser
 # What `make env` says before it installs: the last measured size and install time, as `make timings` wrote them.
 VENV_SIZE := $(shell sed -n 's/^- `\.venv` on disk: \([0-9.]* [kMGT]*B\)$$/\1/p' docs/timings.md 2>/dev/null)
 VENV_TIME := $(shell sed -n 's/^- a fresh `make env`: \([0-9.]* [a-z]*\) .*/\1/p' docs/timings.md 2>/dev/null)
+# A size and a time as scripts/timings.py writes them into docs/timings.md (`du -s --block-size=1` in GB of 10^9
+# bytes; seconds, minutes from 120 s on), so that what `make env` says before and after an install compare: before,
+# 1 GB was 10^9 bytes and after, `du -h`'s 2^30.
+AS_GB       := awk '{printf "%.1f GB", $$1 / 1e9}'
+AS_DURATION := awk '{printf ($$1 < 120 ? "%d s" : "%.1f min"), ($$1 < 120 ? $$1 : $$1 / 60)}'
 # The JUnit XML of `make test` and `make test-fast`, which `make timings` reads.
 JUNIT_DIR := test-artifacts/junit
 
@@ -52,9 +57,11 @@ SHARDLAB_KEEP_WARM ?= 900
 # install() removes the spec it wrote, not the folder it made for it), so it gets a temp folder of its own.
 # tests/unit/test_workarounds.py says when that is no longer needed.
 # $(2): what to change in its environment (`make kernel-user`: the user's own JUPYTER_DATA_DIR, not .state's).
+# IPython's folder is made first: IPython falls back to a temporary one, with a warning ("IPython parent '.../.state' is
+# not a writable location"), when the folder is missing and its parent too (IPython/paths.py, get_ipython_dir).
 define install_kernel
-	scratch=$$(mktemp -d) && env $(2) TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel install $(1) --name $(KERNEL) \
-		--display-name "$(KERNEL_NAME)"; status=$$?; rm -rf "$$scratch"; exit $$status
+	mkdir -p $(IPYTHONDIR) && scratch=$$(mktemp -d) && env $(2) TMPDIR=$$scratch $(VENV)/bin/python -m ipykernel \
+		install $(1) --name $(KERNEL) --display-name "$(KERNEL_NAME)"; status=$$?; rm -rf "$$scratch"; exit $$status
 endef
 
 # JupyterLab's settings that differ from its defaults for the series (lab-config/overrides.json: no "Would you like
@@ -97,19 +104,33 @@ define fresh_venv
 endef
 
 .PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout env lock clean-env \
-	kernel-user slurm-start slurm-stop timings test-sizes
+	kernel-user slurm-start slurm-stop timings test-sizes models
 
 # The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
-# `make handout` writes; `make lab-handout` builds it, then opens it).
+# `make handout` writes; `make lab-handout` builds it, then opens it), where a failed exercise check says so and lets
+# Run All go on (SHARDLAB_CHECKS=report; shardlab/check.py).
 LAB_DIR ?= notebooks
 HANDOUT_DIR := build/handout
 
-# JupyterLab runs with a pool of warm ranks of its own, stopped when it exits (Ctrl-C twice). Its kernels talk to it
-# over CurveZMQ (transport_encryption=auto: the kernel spec declares curve), as the kernels talk to their ranks.
+# What `make lab` leaves out of JupyterLab, each with what it printed at every start:
+# - ipyparallel's server extension and its "Clusters" side panel (lab-config/labconfig/page_config.json, read from
+#   JUPYTER_CONFIG_PATH): they start ipyparallel clusters of their own, which the series never uses (its ranks come
+#   from sl.start_cluster), and ipyparallel 9.2 names its extension by the hook Jupyter Server 2 deprecated: "A
+#   `_jupyter_server_extension_points` function was not found in ipyparallel" (jupyter_server/extension/utils.py);
+# - jupyter-lsp's search for language servers: .venv installs none, and the search listed each one it did not find,
+#   "Skipped non-installed server(s): basedpyright, bash-language-server, ..." (jupyter_lsp/manager.py).
+LAB_LEFT_OUT := --ServerApp.jpserver_extensions ipyparallel=False --LanguageServerManager.autodetect=False
+
+# JupyterLab runs with a pool of warm ranks of its own, stopped when it exits (Ctrl-C twice; the last line says what
+# stopped). Its kernels talk to it over CurveZMQ (transport_encryption=auto: the kernel spec declares curve), as the
+# kernels talk to their ranks.
 lab: $(STAMP)
-	$(VENV)/bin/python -m shardlab.ranks.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
+	@mkdir -p $(IPYTHONDIR)
+	JUPYTER_CONFIG_PATH=$(ROOT)/lab-config$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH} \
+		$(if $(filter $(HANDOUT_DIR)%,$(LAB_DIR)),SHARDLAB_CHECKS=report) \
+		$(VENV)/bin/python -m shardlab.ranks.warm run --idle-s $(SHARDLAB_KEEP_WARM) -- \
 		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
-		--KernelManager.transport_encryption=auto $(LAB_ARGS)
+		$(LAB_LEFT_OUT) --KernelManager.transport_encryption=auto $(LAB_ARGS)
 
 # The folders of .state/ that make exports, one `NAME=value` a line (tests/system/test_home.py runs with them).
 print-env:
@@ -143,8 +164,8 @@ test: $(STAMP)
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
 
-# Every notebook at every world size it is tested at: 07 at 2 ranks and 02, 03, 05, 07 and 10 to 14 at 8 too,
-# which `make test` leaves out for its time budget.
+# Every notebook at every world size it is tested at: every notebook at 2 ranks (run twice in one kernel) and 02, 03,
+# 05, 07 and 10 to 14 at 8 too, which `make test` leaves out for its time budget.
 test-sizes: $(STAMP)
 	SHARDLAB_TEST_ALL_SIZES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal \
 		tests/notebooks/test_notebooks.py -k test_notebook_runs_at_other_world_sizes
@@ -159,6 +180,11 @@ timings:
 	@test -x $(VENV)/bin/python || { echo "make timings: no $(VENV) yet: make env (or make test) creates it" >&2; \
 		exit 1; }
 	$(VENV)/bin/python scripts/timings.py docs/timings.md
+
+# docs/models.md rewritten: every model of shardlab/model_cases.py checked for parity, audited and measured on 2 and 4
+# CPU ranks (a few minutes); tests/unit/test_models_table.py says when it is out of date.
+models: $(STAMP)
+	$(VENV)/bin/python -m shardlab.tools.models --out docs/models.md
 
 # On a GPU node: what only GPUs prove (NCCL, CUDA engines, allocator peaks, compiled speed); exits 0 without a GPU.
 gpu-check: $(STAMP)
@@ -214,11 +240,12 @@ $(STAMP): requirements.txt helpers/pyproject.toml $(wildcard lab-config/override
 	@echo "[4/4] the \"$(KERNEL_NAME)\" kernel and JupyterLab's settings, in $(VENV)"
 	$(call install_kernel,--sys-prefix)
 	$(install_lab_settings)
-	@if [ -e $(VENV)/.install-started ]; then \
-		echo $$(( $$(date +%s) - $$(cat $(VENV)/.install-started) )) > $(VENV)/.install-seconds; \
-		rm $(VENV)/.install-started; fi
+	@took=; if [ -e $(VENV)/.install-started ]; then \
+		took=$$(( $$(date +%s) - $$(cat $(VENV)/.install-started) )); echo $$took > $(VENV)/.install-seconds; \
+		rm $(VENV)/.install-started; fi; \
+		echo "make: $(VENV) is ready: $$(du -s --block-size=1 $(VENV) | $(AS_GB)) on disk$${took:+, installed in \
+		$$(echo $$took | $(AS_DURATION))} (measured as docs/timings.md measures it)"
 	@touch $(STAMP)
-	@echo "make: $(VENV) is ready ($$(du -sh $(VENV) | cut -f1) on disk)"
 endif
 
 lock:

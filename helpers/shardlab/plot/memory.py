@@ -25,9 +25,11 @@ def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: f
 
 
 def memory_bars(per_rank, ideal=None, unit=None, title=None, ax=None, capacity=None, capacity_label="GPU memory",
-                peaks=None, peak_label="allocator peak (measured)"):
+                peaks=None, peak_label="allocator peak (measured)", ideal_label="ideal"):
     """Stacked bars of bytes per category for each rank, with the total on top and an optional ideal marker.
 
+    ``ideal``: {label: bytes}, a black mark across its bar, named ``ideal_label`` in the legend (the legend names every
+    mark and colour: a title need not).
     ``capacity`` (bytes) draws a dashed line across the bars: what each device can hold. ``peaks``: {label: bytes}, a
     measured peak drawn as a red mark across its bar, its value above it. ``unit``: None picks the unit that suits the
     largest value (``_base._units``).
@@ -51,7 +53,7 @@ def memory_bars(per_rank, ideal=None, unit=None, title=None, ax=None, capacity=N
     mark_handles = []
     if has_mark.any():
         mark_handles.append(ax.hlines(marks[has_mark], x[has_mark] - 0.4, x[has_mark] + 0.4, colors="black",
-                                      linewidth=2.5, label="ideal", zorder=3))
+                                      linewidth=2.5, label=ideal_label, zorder=3))
     peak_marks = np.array([peaks[label] / scale if label in peaks else np.nan for label in labels])
     if (has_peak := ~np.isnan(peak_marks)).any():
         mark_handles.append(ax.hlines(peak_marks[has_peak], x[has_peak] - 0.3, x[has_peak] + 0.3, colors="tab:red",

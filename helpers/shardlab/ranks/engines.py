@@ -22,6 +22,7 @@ from pathlib import Path
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
 from ipyparallel.error import EngineError
 
+from .. import quiet
 from . import procs
 from .devices import usable_cores
 from .programs import (
@@ -77,8 +78,9 @@ class RankEngineSetLauncher(MPIEngineSetLauncher):
 def engine_environment(device: str) -> dict[str, str]:
     """What every engine's environment gets on top of the kernel's. CUDA engines keep the kernel's
     CUDA_VISIBLE_DEVICES (a learner given GPUs 4-7 gets engines on exactly those: local rank r uses
-    the r-th visible GPU); CPU engines see no GPU at all."""
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+    the r-th visible GPU); CPU engines see no GPU at all, and print none of the profiler's GPU messages
+    (``quiet.CPU_RANK_ENVIRONMENT``)."""
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} | quiet.CPU_RANK_ENVIRONMENT if device == "cpu" else {}
     return mpi_environment() | procs.marked_environment() | hidden
 
 

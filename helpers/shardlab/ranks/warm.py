@@ -23,6 +23,7 @@ handlers only, the RNG of a new process, memory given back.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -86,15 +87,16 @@ class Pool:
                     cleaned += 1
         return cleaned + procs.clean_stale_clusters(self.folder)
 
-    def stop(self) -> None:
+    def stop(self) -> tuple[int, int]:
         """Stop every cluster of the pool, parked or not, and remove its folder (``make lab`` at exit, a test
-        session at its end)."""
-        for parked in self.parked():
-            if (claimed := parked.claim()) is not None:
-                claimed.clean_up()
-        for record in procs.records_in(self.folder):
+        session at its end): (ranks that were parked, clusters that were not: a kernel that never stopped its own)."""
+        claimed = [(parked.shape["n"], record) for parked in self.parked() if (record := parked.claim()) is not None]
+        for _, record in claimed:
+            record.clean_up()
+        for record in (in_use := procs.records_in(self.folder)):
             record.clean_up(grace_s=1.0)
         shutil.rmtree(self.folder, ignore_errors=True)
+        return sum(n for n, _ in claimed), len(in_use)
 
 
 def shape_of(n: int, device: str, engines: str, mpi: str, controller_ip: str, shared_dir) -> dict:
@@ -265,9 +267,6 @@ def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, envir
     meshes and compiled graphs, go back to the series' own handlers, a new rank's RNG and the environment the rank
     was started with, take the claiming kernel's ``environment`` (its temp folder), give memory back, then
     initialise as a fresh rank does."""
-    import gc
-    import tempfile
-
     import torch
     from physicsnemo.domain_parallel import ShardTensor
 
@@ -323,8 +322,6 @@ def park_rank() -> dict:
     life of the process and has no call that destroys it while its streams, handles and allocator refer to it;
     with the loaded libraries and imported modules, it is what a warm rank saves the next notebook), and compiled
     graphs until the claim's reset. Returns the bytes of GPU memory torch still reserves (0 without a GPU)."""
-    import gc
-
     import torch
 
     tear_down_groups()
@@ -359,8 +356,8 @@ def kernel_environment() -> dict[str, str]:
 
 
 def run(command: list[str], idle_s: float) -> int:
-    """Run ``command`` (JupyterLab) with a pool of its own, then stop whatever is in the pool. ``idle_s`` 0: no
-    pool, keeping warm is off."""
+    """Run ``command`` (JupyterLab) with a pool of its own, then stop whatever is in the pool and say on the
+    terminal what was stopped (``stopped_message``). ``idle_s`` 0: no pool, keeping warm is off."""
     if idle_s <= 0:
         return subprocess.call(command)
     pool = Pool.create(f"{procs.origin()}/warm", idle_s)
@@ -370,7 +367,15 @@ def run(command: list[str], idle_s: float) -> int:
     try:
         return child.wait()
     finally:
-        pool.stop()
+        print(stopped_message(command, child.poll(), *pool.stop()), file=sys.stderr, flush=True)
+
+
+def stopped_message(command: list[str], code: int | None, ranks: int, in_use: int) -> str:
+    """What the terminal says once ``command`` exited with ``code`` and its pool stopped (``Pool.stop``)."""
+    what = "JupyterLab" if [Path(command[0]).name, *command[1:2]] == ["jupyter", "lab"] else Path(command[0]).name
+    ended = f"{what} stopped" if code in (0, -signal.SIGINT, -signal.SIGTERM) else f"{what} exited with code {code}"
+    stopped = [f"{ranks} warm rank{'s' * (ranks != 1)}"] * bool(ranks) + [f"{in_use} running cluster(s)"] * bool(in_use)
+    return f"shardlab: {ended}; " + (f"stopped {' and '.join(stopped)}." if stopped else "no warm ranks were waiting.")
 
 
 def main(argv: list[str] | None = None) -> int:
