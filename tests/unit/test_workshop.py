@@ -50,12 +50,52 @@ HEADER = "# Your code here: replace each ... with your answer."
     ("if True:\n    answer = 1\nelse:\n    answer = 2", ["answer"]),
     ("with open('f') as f:\n    total = 0\n    total += 1", ["total"]),
     ("try:\n    answer = 1\nexcept ValueError:\n    fallback = 0", ["answer", "fallback"]),
-    ("def step(model):\n    loss = 1\n    return loss", ["step"]),  # the function, not its locals
     ("answer: int = 3\nif (n := 2):\n    pass", ["answer", "n"]),
 ])
 def test_blank_source_blanks_every_name_the_cell_binds(source, names):
     magic = ["%%px"] if source.startswith("%%px") else []
     assert blank_source(source) == "\n".join([*magic, HEADER, *(f"{n} = ..." for n in names)])
+
+
+def test_a_function_keeps_its_signature_and_docstring_and_nothing_of_its_body():
+    source = ('%%px\ndef read_rows(array, sample,\n              domain):\n    """This rank\'s rows.\n\n    More."""\n'
+              '    rows = array[sample]\n    return rows\n\n\ndef helper(x): return x + 1\nanswer = read_rows(1, 2, 3)')
+    assert blank_source(source) == "\n".join([
+        "%%px", HEADER, "def read_rows(array, sample,", "              domain):", '    """This rank\'s rows.', "",
+        '    More."""', "    ...", "", "def helper(x):", "    ...", "", "answer = ..."])
+
+
+def test_a_blank_function_is_not_answered_yet_and_an_answer_is(monkeypatch):
+    from shardlab import check
+
+    namespace = {}
+    exec(blank_source('def f(x):\n    """Doc."""\n    return x + 1'), namespace)
+    assert check._blank(namespace["f"])
+    with pytest.raises(check.NotSolved, match="not answered yet"):
+        check.judged(lambda f: None, namespace["f"], what="f")
+    exec("def g(x):\n    return x + 1\ndef h(x):\n    x.append(1)", namespace)
+    assert not check._blank(namespace["g"]) and not check._blank(namespace["h"]) and not check._blank(len)
+
+
+def only_blanks(source: str) -> bool:
+    """Whether a handout cell holds nothing of an answer: each statement a ``name = ...``, or a function whose body
+    is its docstring and ``...``."""
+    import ast
+
+    lines = source.splitlines()
+    tree = ast.parse("\n".join(lines[1:] if lines and lines[0].startswith("%%") else lines))
+    ellipsis = lambda node: isinstance(node, ast.Constant) and node.value is Ellipsis  # noqa: E731
+    for statement in tree.body:
+        if isinstance(statement, (ast.Assign, ast.AnnAssign)) and ellipsis(statement.value):
+            continue
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = statement.body[1:] if isinstance(statement.body[0], ast.Expr) and isinstance(
+                statement.body[0].value, ast.Constant) and isinstance(statement.body[0].value.value, str) else \
+                statement.body
+            if len(body) == 1 and isinstance(body[0], ast.Expr) and ellipsis(body[0].value):
+                continue
+        return False
+    return bool(tree.body)
 
 
 def test_blank_source_refuses_a_cell_that_binds_nothing():
@@ -81,7 +121,6 @@ def test_the_handout_is_every_notebook_with_each_solution_blanked_and_nothing_el
             if i not in solutions:
                 assert given.source == cell.source, f"{where} changed, but it is not a solution"
                 continue
-            assert given.source == blank_source(cell.source) and "= ..." in given.source, where
+            assert given.source == blank_source(cell.source), where
+            assert only_blanks(given.source), f"{where} leaks its solution"
             assert given.metadata["tags"].count("exercise") == 1 and SOLUTION_TAG not in given.metadata["tags"]
-            body = [line for line in cell.source.splitlines() if "=" in line and not line.startswith("%%")]
-            assert body and not any(line in given.source for line in body), f"{where} leaks its solution"

@@ -1,8 +1,9 @@
 """Learner handout: the notebooks with every solution cell blanked.
 
 ``python -m shardlab.tools.handout [SRC] [OUT]`` (``make handout``) copies ``notebooks/`` to
-``build/handout/``. A cell tagged ``solution`` keeps its ``%%px`` line, and each name it
-assigns becomes ``name = ...``, which the exercise check reports as "not answered yet".
+``build/handout/``. A cell tagged ``solution`` keeps its ``%%px`` line and its functions' signatures and
+docstrings (``...`` for a body), and each other name it assigns becomes ``name = ...``: the exercise check reports
+either as "not answered yet".
 """
 
 from __future__ import annotations
@@ -57,16 +58,34 @@ def _bound_names(statements) -> list[str]:
 def blank_source(source: str) -> str:
     """The learner's version of a solution cell: the same names to fill in, no answer.
 
-    Every name the cell assigns (also in loops, branches or by unpacking) or defines becomes
-    ``name = ...``; a ``%%`` cell magic stays. A cell that assigns nothing is refused: its check
-    would have nothing to read.
+    Every function the cell defines keeps its signature and docstring with ``...`` for a body; every other name it
+    assigns (also in loops, branches or by unpacking) becomes ``name = ...``; a ``%%`` cell magic stays. A cell that
+    assigns nothing is refused: its check would have nothing to read.
     """
     lines = source.splitlines()
     magic = [lines[0]] if lines and lines[0].startswith("%%") else []
-    names = _bound_names(ast.parse("\n".join(lines[len(magic):])).body)
+    body = lines[len(magic):]
+    statements = ast.parse("\n".join(body)).body
+    names = _bound_names(statements)
     if not names:
         raise ValueError(f"a solution cell must assign the names the check reads; this one assigns none:\n{source}")
-    return "\n".join([*magic, "# Your code here: replace each ... with your answer.", *(f"{n} = ..." for n in names)])
+    functions = {s.name: s for s in statements if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    blanks = [f"{_signature(body, functions[n])}\n" if n in functions else f"{n} = ..." for n in names]
+    return "\n".join([*magic, "# Your code here: replace each ... with your answer.", *blanks]).rstrip("\n")
+
+
+def _signature(lines: list[str], function: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """A function of the solution as the learner gets it: its decorators, signature and docstring, ``...`` for a
+    body (the check says "not answered yet" for a function that does nothing)."""
+    first = min([function.lineno, *(d.lineno for d in function.decorator_list)])
+    body = function.body
+    documented = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+        body[0].value.value, str)
+    last = body[0].end_lineno if documented else body[0].lineno - 1
+    kept = lines[first - 1:last]
+    if not documented and body[0].lineno == function.lineno:  # a one-line def: `def f(x): return x`
+        kept = [lines[function.lineno - 1][:body[0].col_offset].rstrip()]
+    return "\n".join([*kept, " " * (function.col_offset + 4) + "..."])
 
 
 def wrong_answers(cell) -> list[dict]:
