@@ -12,7 +12,8 @@ How each column is taken (PhysicsNeMo 2.2.2, torch 2.14):
   first so that DTensor's own redistributions are seen too. Forward: counted under the innermost module running
   (hooks on every module). Backward: under the module whose forward created the autograd node running
   (``torch._C._current_autograd_node``; each module call's forward spans a range of node sequence numbers). Nothing
-  hooks a ShardTensor output: ``CommDebugMode``'s module tracker does, and raised around a ShardTensor convolution.
+  hooks a ShardTensor output. ``CommDebugMode`` counts collectives per op and module too (lesson 08 runs it on
+  ShardTensor convolutions with torch 2.14.1), but not the bytes each rank hands over, which the audit reports.
   A backward collective of a node no module created counts under the whole model, and its row says so.
 - unpatched: PhysicsNeMo reports none of its fallbacks. An op without a ShardTensor handler goes to
   ``_torch_function_fallback_via_dtensor`` or ``_dispatch_fallback_via_dtensor`` (``domain_parallel/shard_tensor.py``),

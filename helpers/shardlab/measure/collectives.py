@@ -2,8 +2,8 @@
 
 One recorder for the series: ``sl.check.Watch`` judges what a learner's call communicated with it, and
 ``sl.audit`` attributes a model's collectives to its modules with it. A dispatch mode sees every c10d op, whoever
-calls it (the learner, a library, ShardTensor's handlers); ``CommDebugMode`` does not run on ShardTensor
-convolutions.
+calls it (the learner, a library, ShardTensor's handlers), with the bytes this rank hands over and the group's
+ranks; ``CommDebugMode`` counts collectives by op and module, without either (lesson 08).
 """
 
 from __future__ import annotations
