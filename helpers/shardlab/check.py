@@ -15,8 +15,10 @@ them the ones where a plausible shortcut goes wrong; a message names only the on
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
+import os
 import random
 import sys
 from typing import TYPE_CHECKING
@@ -42,14 +44,11 @@ CHECKS = "SHARDLAB_CHECKS"
 
 
 def _goes_on() -> bool:
-    import os
-
     return os.environ.get(CHECKS) == "report" and "PYTEST_CURRENT_TEST" not in os.environ
 
 
 def _reported(check):
     """A check that, in the learners' copy, shows a failed answer's message and lets the notebook go on."""
-    import functools
 
     @functools.wraps(check)
     def run(*args, **kwargs):

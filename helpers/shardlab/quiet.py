@@ -19,6 +19,7 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 
@@ -30,6 +31,9 @@ import tempfile
 # sets the lowest severity printed; USDT is the highest (5), so 6 prints none. CPU ranks only: on GPU ranks an ERROR
 # may be CUPTI's, and is left to be read.
 CPU_RANK_ENVIRONMENT = {"KINETO_LOG_LEVEL": "6"}
+# The same two lines, as ``stderr_without`` drops them around a profile on any rank (``measure.timeline``): on a GPU
+# rank, where Kineto's level stays as it is, they are the USDT lines.
+KINETO_CHATTER = re.compile(rb"^(USDT|ERROR):\S+ \S+ \S+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp")
 
 # Warp 1.19 (warp/native/cuda_util.cpp, init_cuda_driver) prints this with fprintf when it cannot load libcuda.so:
 # on every process without a CUDA driver that imports a PhysicsNeMo module calling wp.init() (Transolver, FNO, the data
@@ -45,9 +49,11 @@ GLOO_ALLTOALL = ("torch.distributed.tensor._collective_utils",
 
 
 @contextlib.contextmanager
-def stderr_without(line: bytes):
+def stderr_without(line: bytes | re.Pattern[bytes]):
     """While the block runs, what is written to file descriptor 2 (C libraries write there, not to ``sys.stderr``)
-    goes to a file; at its end, everything but ``line`` is written on. Nothing is lost, only held until then."""
+    goes to a file; at its end, everything but ``line`` (or the lines the pattern matches) is written on. Nothing
+    else is lost, only held until then."""
+    drop = line.match if isinstance(line, re.Pattern) else lambda text: text.rstrip(b"\r\n") == line
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:  # no name in the temp folder: nothing is left there
@@ -58,7 +64,7 @@ def stderr_without(line: bytes):
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            kept = [text for text in held.read().splitlines(keepends=True) if text.rstrip(b"\r\n") != line]
+            kept = [text for text in held.read().splitlines(keepends=True) if not drop(text)]
             if kept:
                 os.write(2, b"".join(kept))
 

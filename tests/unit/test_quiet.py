@@ -39,6 +39,16 @@ def test_stderr_without_drops_that_line_only_and_keeps_the_rest_in_order(capfd):
     assert capfd.readouterr().err == f"before\n{line.decode()} but longer\nafter\noutside\n"
 
 
+def test_a_pattern_drops_kinetos_lines_around_a_profile_and_nothing_else(capfd):
+    from shardlab.measure import timeline
+
+    usdt = b"USDT:12-04 21:49:01 4242 SyncActivityProfilerHandler.cpp:123] profiler_start\n"
+    no_gpu = b"ERROR:12-04 21:49:01 4242 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+    with timeline.without_kineto_chatter():
+        os.write(2, b"before\n" + usdt + no_gpu + b"ERROR: something else\n")
+    assert capfd.readouterr().err == "before\nERROR: something else\n"
+
+
 @no_driver
 def test_warp_still_prints_its_missing_driver_line(fresh_python):
     result = fresh_python.run("import warp; warp.config.quiet = True; warp.init()")

@@ -25,13 +25,12 @@ agree. Introduced in ``notebooks/14_see_every_rank.ipynb``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import sys
 import tempfile
 from pathlib import Path
+
+from .. import quiet
 
 # What each collective is for in a domain-parallel step, by the words in its event's name (gloo's and NCCL's
 # events, c10d's ops).
@@ -212,26 +211,10 @@ def memory_peak(summary: dict) -> dict:
 
 # What Kineto (the profiler's engine) writes to stderr at every start and stop, and, without a GPU, that it found
 # none: every rank's cell output would be a screen of it, with nothing to act on.
-_KINETO_CHATTER = re.compile(r"^(USDT|ERROR):\S+ \S+ \S+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp")
-
-
-@contextlib.contextmanager
 def without_kineto_chatter():
     """For a ``torch.profiler.profile`` block: standard error (the file descriptor: Kineto writes from C++) as it
-    was, less ``_KINETO_CHATTER``'s lines."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _KINETO_CHATTER.match(line)]
-            sys.stderr.write("".join(kept))
+    was, less Kineto's known lines (``quiet.KINETO_CHATTER``)."""
+    return quiet.stderr_without(quiet.KINETO_CHATTER)
 
 
 def profile_steps(step, steps: int = 2, folder=None, memory: bool = False) -> dict:
