@@ -11,17 +11,19 @@ Three groups, by who uses them:
 Layers, lowest first. A module imports only from layers below its own; ``tests/unit/test_layers.py`` checks every
 import, including those inside functions, against this list.
 
+- (below them all) ``nodelist``: Slurm's node lists as host names, which ``workarounds`` reads
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place); ``quiet``
    (upstream messages the series knows are harmless, silenced where they start: installed at import, below);
-   ``progress`` (each check's result, for the instructor's class view, where one is set up)
+   ``progress`` (each check's result, for the instructor's class view, where one is set up); ``answers`` (the
+   exercises' reference answers, found by name)
 1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
    processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
    engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
    ``scatter_tensor`` splits rows, which ``data`` reads slabs by); ``ranks.beacon`` (each rank's state, written
-   for the rank panel)
+   for the rank panel); ``ranks.warden`` (a cluster ends with the process that owns it)
 3. ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
    ``init_rank``, what every engine runs first); ``ranks.panel`` (every rank's state, live, in the notebook)
 4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
@@ -32,7 +34,10 @@ import, including those inside functions, against this list.
 7. ``exercises``: one module of judges per notebook; ``parity`` (any model on the ranks against one process)
 8. ``tools.smoke``, ``tools.bench``, ``tools.handout``, ``tools.class_view`` (who is stuck); ``model_cases``
    (docs/models.md's models)
-9. ``tools.time_model``: each lesson's minutes, from its notebook and its measured run time
+9. ``tools.time_model``: each lesson's minutes, from its notebook and its measured run time;
+   ``tools.instructor_notes``: the generated parts of the instructors' notes (``instructors/``);
+   ``tools.gpu_lessons``: gpu-check's rows for lessons 12-14; ``port`` (also ``python -m shardlab.port``: a model
+   audited, checked for parity, planned, and written as a run of its own)
 10. ``tools.agenda`` (the workshop's agendas, from the time model); ``tools.gpucheck``: runs the tools above on a
     GPU node; ``tools.models`` (``make models``: docs/models.md)
 11. ``tools.morning``: the machine check for the morning of a workshop
@@ -44,16 +49,17 @@ notebook kernel does not import PhysicsNeMo until it asks for something that nee
 import importlib
 
 LAYERS = (
-    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress"),
+    ("nodelist",),
+    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers"),
     ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
-    ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon"),
+    ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon", "ranks.warden"),
     ("data", "models", "levers", "ranks.warm", "ranks.panel"),
     ("train", "ranks.bringup"),
     ("measure", "plot", "checkpoints", "points"),
     ("ranks.cluster", "check", "plan", "audit"),
     ("exercises", "parity"),
     ("tools.smoke", "tools.bench", "tools.handout", "tools.class_view", "model_cases"),
-    ("tools.time_model",),
+    ("tools.time_model", "tools.instructor_notes", "tools.gpu_lessons", "port"),
     ("tools.agenda", "tools.gpucheck", "tools.models"),
     ("tools.morning",),
 )

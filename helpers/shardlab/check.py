@@ -10,6 +10,10 @@ is right from that rank's state. A judge returns None when the answer is right, 
 saying what is wrong. Its cases are drawn afresh for every check (``case_generator``), always among
 them the ones where a plausible shortcut goes wrong; a message names only the one case that failed
 (with what was expected there), never the list.
+
+A learner who is stuck gets, from the second failed try of an exercise in a kernel, the judge's second hint
+(``second_hint``), then the call that shows the reference answer (``reveal``); cells that build on an exercise take
+the reference answer where the learner's has not passed, in the learners' copy (``yours_or_reference``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import random
 import sys
 from typing import TYPE_CHECKING
 
-from . import progress
+from . import answers, progress
 
 if TYPE_CHECKING:  # torch loads on first use: a notebook kernel checks answers without it
     from .measure.collectives import Event
@@ -64,9 +68,12 @@ def _reported(check):
 
 
 def _blank(value) -> bool:
-    """Not answered yet: ``...``, None, or a function whose body does nothing (the handout's blank keeps the
-    signature and docstring, with ``...`` for a body)."""
-    return value is Ellipsis or value is None or _does_nothing(value)
+    """Not answered yet: ``...``, None, a function whose body does nothing (the handout's blank keeps the
+    signature and docstring, with ``...`` for a body), or the reference answer that stood in for the learner's
+    (``yours_or_reference``: its code's file name says so, on the ranks too)."""
+    where = getattr(getattr(value, "__code__", None), "co_filename", None)
+    stood_in = isinstance(where, str) and where.startswith(STOOD_IN)
+    return value is Ellipsis or value is None or stood_in or _does_nothing(value)
 
 
 def _does_nothing(value) -> bool:
@@ -95,11 +102,10 @@ def _same(got, expected) -> bool:
 def answer(got, expected, what: str, hint: str = "") -> None:
     """One answer for the whole notebook (no ranks involved)."""
     if _blank(got):
-        raise NotSolved(f"{what}: not answered yet (answer is still {got!r}).")
+        raise _not_answered(what, what, f"{what}: not answered yet (answer is still {got!r}).")
     if not _same(got, expected):
-        progress.record(what, False)
-        raise NotSolved(f"{what}: got {got!r}, which is not right. {hint}".strip())
-    progress.record(what, True)
+        raise _wrong(what, what, f"got {got!r}, which is not right", hint)
+    _right(what, what)
     print(f"✓ {what}: {got!r}")
 
 
@@ -111,21 +117,21 @@ def per_rank(got: list, expected: list, what: str, hint: str = "") -> None:
     if len(got) != len(expected):
         raise NotSolved(f"{what}: {len(got)} answers for {len(expected)} ranks; set `answer` in a %%px cell.")
     _report([None if not _blank(g) and _same(g, e) else ("blank" if _blank(g) else f"{g!r} is not right")
-             for g, e in zip(got, expected)], what, hint)
+             for g, e in zip(got, expected)], what, hint, what)
 
 
-def _report(verdicts: list, what: str, hint: str) -> None:
+def _report(verdicts: list, what: str, hint: str, exercise: str, judge=None) -> None:
     """Print one line per rank; raise NotSolved naming the wrong ranks (or saying nothing was answered)."""
     for rank, verdict in enumerate(verdicts):
         said = "" if verdict is None else ": not answered yet" if verdict == "blank" else f": {verdict}"
         print(f"{'✓' if verdict is None else '✗'} rank {rank}: {what}{said}")
     if all(v == "blank" for v in verdicts):
-        raise NotSolved(f"{what}: not answered yet on any rank.")
+        raise _not_answered(exercise, what, f"{what}: not answered yet on any rank.")
     wrong = [rank for rank, v in enumerate(verdicts) if v is not None]
-    progress.record(what, not wrong)
     if wrong:
         first = next((v for v in verdicts if v not in (None, "blank")), "not answered yet")
-        raise NotSolved(f"{what}: wrong on rank(s) {wrong}: {first.rstrip('.')}. {hint}".strip())
+        raise _wrong(exercise, what, f"wrong on rank(s) {wrong}: {first}", hint, judge)
+    _right(exercise, what)
 
 
 OUT_OF_STEP = "out of step"  # a verdict's tag: the judge met a broken process group, and judged nothing
@@ -164,19 +170,92 @@ def on_ranks(cluster, judge, *names: str, what: str, hint: str = "") -> None:
         cause = getattr(getattr(cluster, "_px", None), "partial_failure", None)  # what %%px saw fail, if anything
         first, *rest = out_of_step(broken, cause)
         raise OutOfStep("\n".join([f"{what}: not checked. {first}", *rest]))
-    _report(verdicts, what, hint)
+    _report(verdicts, what, hint, names[0], judge)
 
 
 @_reported
 def judged(judge, *values, what: str, hint: str = "") -> None:
     """One answer in this kernel, judged by ``judge(*values)`` like ``on_ranks`` does on the ranks."""
+    exercise = getattr(values[0], "__name__", what) if values else what  # the answer's name, as reveal() takes it
     verdict = _judge_here(judge, *values)
     if verdict == "blank":
-        raise NotSolved(f"{what}: not answered yet.")
-    progress.record(what, verdict is None)
+        raise _not_answered(exercise, what, f"{what}: not answered yet.")
     if verdict is not None:
-        raise NotSolved(f"{what}: {verdict.rstrip('.')}. {hint}".strip())
+        raise _wrong(exercise, what, verdict, hint, judge)
+    _right(exercise, what)
     print(f"✓ {what}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A learner who is stuck: hints in two steps, the reference answer on request, and the cells after an exercise
+
+STOOD_IN = "<the reference answer, standing in"  # the file name of its code
+_tries: dict[str, int] = {}  # failed tries of each exercise in this kernel, by the name of its answer
+_passed: dict[str, bool] = {}  # whether each exercise's last check passed
+_whats: dict[str, str] = {}  # each exercise's title, as its check and the class view name it
+
+
+def second_hint(text: str):
+    """A judge's second hint, which a learner gets from the second failed try on: more specific than the first (the
+    check cell's), aimed at the most common wrong answer. A decorator: ``@second_hint("...")`` above the judge."""
+
+    def mark(judge):
+        judge.second_hint = text
+        return judge
+
+    return mark
+
+
+def _right(exercise: str, what: str) -> None:
+    _whats[exercise], _passed[exercise] = what, True
+    progress.record(what, True)
+
+
+def _not_answered(exercise: str, what: str, message: str) -> NotSolved:
+    """A blank answer: not a try, not passed either."""
+    _whats[exercise], _passed[exercise] = what, False
+    return NotSolved(message)
+
+
+def _wrong(exercise: str, what: str, said: str, hint: str, judge=None) -> NotSolved:
+    """A failed try, counted and recorded; its message has the check's hint, from the second try on the judge's
+    second hint too, and from the third the call that reveals the reference answer."""
+    _whats[exercise], _passed[exercise] = what, False
+    progress.record(what, False)
+    tries = _tries[exercise] = _tries.get(exercise, 0) + 1
+    lines = [f"{what}: {said.rstrip('.')}. {hint}".strip()]
+    if tries >= 2 and getattr(judge, "second_hint", ""):
+        lines.append(f"Second hint (try {tries}): {judge.second_hint}")
+    if tries >= 3 and exercise != what and exercise.isidentifier():  # an answer with a name to reveal it by
+        lines.append(f"Still stuck? sl.check.reveal({exercise!r}) shows the reference answer.")
+    return NotSolved("\n".join(lines))
+
+
+def reveal(name: str, folder=None) -> None:
+    """Show the reference answer of the exercise whose answer is called ``name``, on purpose: it says so, and the
+    class view (``progress``) records it as revealed."""
+    notebook, source = answers.find(name, folder)
+    progress.record(_whats.get(name, name), False, revealed=True)
+    print(f"Revealed on purpose: the reference answer for {name}, from {notebook} (the class view, where your "
+          "instructor set one up, shows it as revealed). Type it in or paste it, then run its check again.\n")
+    print(source)
+
+
+def yours_or_reference(name: str, yours):
+    """What the cells after an exercise build on: ``yours``, unless failed checks go on (the learners' copy) and the
+    exercise's last check did not pass; then the reference answer (a cell run in this kernel), said in one line."""
+    if not _goes_on() or _passed.get(name):
+        return yours
+    notebook, source = answers.find(name)
+    if source.startswith("%%"):
+        raise ValueError(f"the reference answer for {name} runs on the ranks; only a kernel cell's can stand in")
+    # A function of module __main__ reaches the ranks as the learner's own does: its code, run there in the rank's
+    # namespace (ipyparallel 9.2.0, serialize/canning.py, CannedFunction, about lines 201-212).
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, f"{STOOD_IN} ({notebook})>", "exec"), namespace)
+    print(f"↪ {name} has not passed its check: the cells below carry on with the reference {name} "
+          f"(sl.check.reveal({name!r}) shows it); run your answer and its check again to use yours.")
+    return namespace[name]
 
 
 def case_generator() -> random.Random:

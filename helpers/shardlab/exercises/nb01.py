@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ..check import case_generator
+from ..check import case_generator, second_hint
 from ..ranks.launch import LaunchError, detect_launch
 
 
@@ -23,6 +23,11 @@ def torchrun_jobs(draw: random.Random) -> list[tuple[int, int, int]]:
     return jobs
 
 
+@second_hint(
+    "The processes of node m are the ranks m × nproc_per_node up to (m + 1) × nproc_per_node − 1, in order, so "
+    "LOCAL_RANK is rank % nproc_per_node on every node (not the rank, not rank − nproc_per_node). Every value is "
+    "a string (str(...)), and MASTER_ADDR and MASTER_PORT are the same for every process of the job."
+)
 def torchrun_environment(make_env, draw: random.Random | None = None) -> str | None:
     """``make_env(rank, world_size, nproc_per_node)`` must return what torchrun gives that process: judged by
     reading it back with ``sl.detect_launch`` for ranks of jobs drawn for this check (``torchrun_jobs``, from ``draw``
@@ -59,6 +64,11 @@ def torchrun_environment(make_env, draw: random.Random | None = None) -> str | N
     return None
 
 
+@second_hint(
+    "Compute it in a %%px cell, so that every rank answers for itself: manager = DistributedManager(), then "
+    "(manager.rank, manager.local_rank, manager.world_size). Type no number in: the ranks' answers differ, the "
+    "local rank too (0 only for a node's first process)."
+)
 def rank_identity(answer) -> str | None:
     """On a rank: ``answer`` must be ``(rank, local_rank, world_size)`` as that rank's DistributedManager says."""
     from physicsnemo.distributed import DistributedManager

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..check import Watch, case_generator
+from ..check import Watch, case_generator, second_hint
 from ..ranks.launch import default_device
 
 MESH_GROUPS = "the mesh's own groups, which this exercise builds by hand"
@@ -49,6 +49,11 @@ def _layouts(rng) -> list[tuple[int, int, int]]:
     return layouts
 
 
+@second_hint(
+    "Use the three arguments only, not dist.get_rank() or the mesh. A rank sits at position rank % domain_size of"
+    " its domain group; its ddp group is every rank at that position: position, position + domain_size, ... below"
+    " world (a range with a step)."
+)
 def ddp_ranks(ddp_group_of, mesh) -> str | None:
     """Exercise 1. Doing it means: from ``rank``, ``world`` and ``domain_size`` alone, list the ranks that share
     ``rank``'s position in their domain group (consecutive ranks form the domain groups), sorted.
@@ -93,6 +98,12 @@ def _tensor_of(rank: int, seed: int, device) -> torch.Tensor:
     return torch.randn(5, generator=generator).to(device)
 
 
+@second_hint(
+    "On every rank, create every ddp group in the same order: dist.new_group(list(range(offset, world, "
+    "domain_size))) for each offset in range(domain_size). Take the one at rank % domain_size, all-reduce a clone"
+    " of t with group= that group (without it the sum runs over every rank), and divide by "
+    "dist.get_world_size(group)."
+)
 def hand_made_ddp_average(ddp_average, mesh) -> str | None:
     """Exercise 2. Doing it means: every rank creates every ddp group with ``dist.new_group`` (consecutive ranks form
     domain groups of ``domain_size``), all-reduces the tensor it was given over its own ddp group, and divides by

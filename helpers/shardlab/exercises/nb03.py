@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..ranks.launch import default_device
 
 
@@ -43,6 +43,11 @@ def _rising_sizes(rng, n: int) -> list[int]:
     return sorted(rng.sample(range(1, 3 * n + 4), n))
 
 
+@second_hint(
+    "The slabs are uneven, so k × height is wrong. Read every rank's height from t._spec.sharding_shapes()[0] "
+    "(shape[2] of each), and k from t.device_mesh.get_local_rank(), not dist.get_rank(): start is the sum of the "
+    "heights before k, stop adds this rank's own; both are row numbers of the whole field."
+)
 def rows_held(rows_of, slabs, mesh) -> str | None:
     """Exercise 1. Doing it means: read every rank's slab height from the spec (``_spec.sharding_shapes()``) and add
     up the heights of the ranks before this one, counted by this rank's place in the tensor's own mesh.
@@ -111,6 +116,10 @@ def _uneven_size(rng, n: int, low: int, high: int, chunk_runs_out: bool = False)
     return rng.choice(widths) if widths else rng.randrange(max(low, n), high)
 
 
+@second_hint(
+    "Only W changes; N, C and H stay. With per = ceil(W / n) (-(-W // n)), rank k holds min(per, W − k × per) "
+    "columns, and never fewer than 0: W = 6 over 4 ranks gives 2, 2, 2 and 0, W = 7 over 4 gives 2, 2, 2, 1."
+)
 def w_shard_shape(predict, mesh) -> str | None:
     """Exercise 2. Doing it means: predict, without scattering anything, the block of a (N, C, H, W) tensor that
     rank ``k`` of ``n`` holds after ``scatter_tensor(..., (Shard(3),))``: torch.chunk's split of W, ceil(W / n)
@@ -177,6 +186,12 @@ def w_shard_shape(predict, mesh) -> str | None:
     return None
 
 
+@second_hint(
+    "Only src holds the tensor. Send (shape, dtype) first with dist.broadcast_object_list([...], src=src, "
+    "group=mesh.get_group()), create torch.empty(shape, dtype=dtype, device=device) on the other ranks, and "
+    "dist.broadcast into it. Then narrow dim 2 from mesh.get_local_rank() × ceil(H / n), and wrap with "
+    'ShardTensor.from_local(local, mesh, (Shard(2),), sharding_shapes="chunk", global_shape=...).'
+)
 def scatters_by_hand(scatter_by_hand, mesh) -> str | None:
     """Exercise 3. Doing it means: the source broadcasts the tensor's shape and dtype, then the tensor, over the group
     it is given; each rank narrows it to torch.chunk's rows for its place in that group and wraps them with

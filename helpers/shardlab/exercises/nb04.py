@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..measure import strict_fp32
 
 SMALL = 64  # bytes: a resolved mean moves a number or two, never rows of the field
@@ -41,6 +41,11 @@ def _uneven_field(mesh, device, rng, min_rows: int = 1, channels: int = 1):
     return whole, scatter_tensor(whole, dist.get_global_rank(mesh.get_group(), 0), mesh, (Shard(2),))
 
 
+@second_hint(
+    "Take the mean on the ShardTensor, then resolve that one number: "
+    "t.mean().redistribute(placements=[Replicate()]). Redistributing t itself first moves every row (the check "
+    "counts the bytes), and averaging each rank's own mean is wrong as soon as the slabs are uneven."
+)
 def replicated_mean(mean_of, x) -> str | None:
     """Exercise 1. Doing it means: let each rank reduce its own rows (a ``Partial`` sum), then resolve the partial
     value over the mesh (one all-reduce of a number), and keep the result a ShardTensor that every rank holds whole.
@@ -155,6 +160,12 @@ def _build(spec: tuple, mesh, device):
                                       sharding_shapes="chunk", global_shape=shape)
 
 
+@second_hint(
+    "Compare two things, both: tuple(a.placements) == tuple(b.placements), and a._spec.sharding_shapes() == "
+    "b._spec.sharding_shapes(), every rank's shard shape (this rank's to_local().shape is not enough). Equal "
+    "shard sizes alone are not enough either: rows against columns, or Partial against Replicate, can have the "
+    "same."
+)
 def layout_guard(fn, x) -> str | None:
     """Exercise 2. Doing it means: compare what both tensors' specs record about every rank, the placements and the
     shard sizes (``_spec.sharding_shapes()``), on this rank, without communicating: every rank holds them all.
@@ -214,6 +225,12 @@ def _diagnose(got, expected, halo: int, rank: int, n: int) -> str | None:
     return "only the rows next to the slab's edges are wrong: " + " and ".join(where)
 
 
+@second_hint(
+    "h = conv.kernel_size[0] // 2, not a typed 1 (the check tries kernels up to 9). Send local[..., :h, :] to the"
+    " rank above (dist.get_rank(group) − 1) and local[..., -h:, :] to the rank below; what comes from above goes "
+    "on top: F.conv2d(torch.cat([above, local, below], dim=-2), conv.weight, conv.bias, padding=(0, h)), zeros "
+    "where there is no neighbour."
+)
 def halo_conv(fn, x) -> str | None:
     """Exercise 3. Doing it means: each rank sends its top k//2 rows to the rank above and its bottom k//2 rows to the
     rank below (point-to-point, or one all-to-all), receives theirs, stands zeros in where the field ends, and

@@ -17,7 +17,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..measure import strict_fp32
 from ..models import conv_stack
 from ..ranks.launch import default_device
@@ -33,6 +33,12 @@ def judged_shape(draw: random.Random, ddp_size: int) -> dict:
     return {"width": width, "layers": draw.randint(2, 4), "seed": draw.randrange(1_000, 1_000_000)}
 
 
+@second_hint(
+    "fully_shard broadcasts nothing, and refuses a sync afterwards. Before it: sync_module_over_mesh(model, "
+    "mesh[\"domain\"]), then sync_module_over_mesh(model, mesh[\"ddp\"]), which leaves global rank 0's weights on "
+    'every rank. Then fully_shard each layer that has parameters and the model itself, with mesh=mesh["ddp"] '
+    "(never the domain axis)."
+)
 def fsdp2_ready(fn, mesh, draw: random.Random | None = None) -> str | None:
     """Exercise 1. Doing it means: broadcast global rank 0's plain weights and buffers over the domain axis and over
     the ddp axis (``sync_module_over_mesh``), then ``fully_shard`` each layer and the model on ``mesh["ddp"]``.
@@ -90,6 +96,12 @@ def _padded_bytes(p, n: int) -> int:
     return rows * p[0].numel() * p.element_size()
 
 
+@second_hint(
+    "Pad each shard to ceil(rows / n) rows, dist.all_gather_single into n × that many, keep the first rows and "
+    "make them leaves (requires_grad_()); run torch.func.functional_call(template, full, (x,)), not template(x), "
+    "whose weights are zeros. Then pad each gradient to n × ceil(rows / n) rows, dist.reduce_scatter_tensor into "
+    "ceil(rows / n) rows, divide by n, and keep as many rows as your shard has."
+)
 def fsdp2_step(fn, mesh, draw: random.Random | None = None) -> str | None:
     """Exercise 2. Doing it means: all-gather every parameter's shards over the ddp group into the full parameter,
     run forward and backward with those as leaves, and reduce-scatter each gradient back into this rank's rows,

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..mesh import shard_bounds
 from ..ranks.launch import default_device
 
@@ -141,6 +141,12 @@ def _graphs_for_rows(fn, rows: tuple, dynamic) -> int:
     return graphs_compiled(fn, [torch.zeros(1, 1, r, 8, device=default_device()) for r in rows], dynamic)
 
 
+@second_hint(
+    "The backend is called once per graph Dynamo compiles (a graph break makes two), not once per call: def "
+    "backend(gm, example_inputs): graphs.append(gm); return gm.forward. Compile with dynamic=False (the default "
+    "turns a changed shape dynamic and compiles fewer), call the compiled function on every input, return "
+    "len(graphs)."
+)
 def counts_graphs(count_graphs, mesh):
     """Exercise 1. Doing it means: compile ``fn`` with ``dynamic=False`` and a backend of one's own that counts the
     graphs it is handed, call the compiled function on every input, and return that count.
@@ -186,6 +192,11 @@ def counts_graphs(count_graphs, mesh):
     return None
 
 
+@second_hint(
+    'Compile once, outside: compiled = torch.compile(fn, backend="eager", dynamic=False); return a function that '
+    "calls torch._dynamo.mark_dynamic(t, 2) on its input, then compiled(t). dynamic=True makes the width dynamic "
+    "too, and padding the shards to one height changes what a mean or softmax over H sees."
+)
 def compiles_once(compile_once, mesh):
     """Exercise 2. Doing it means: return ``torch.compile(fn, ...)`` (or a function that calls it) with the sharded
     dimension, and only that one, marked dynamic (``torch._dynamo.mark_dynamic(t, 2)``), so that every shard height

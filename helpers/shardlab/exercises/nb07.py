@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from .. import train
-from ..check import Watch, case_generator
+from ..check import Watch, case_generator, second_hint
 from ..mesh import MESH_AXES
 from ..models import conv_stack
 from ..ranks.launch import default_device
@@ -64,6 +64,12 @@ def _judged_model(seed: int):
     return conv_stack(seed=seed).to(default_device(), torch.float64)
 
 
+@second_hint(
+    "In order: optimizer.zero_grad(), loss.backward(), optimizer.step(), on the optimizer you were given. Scatter"
+    ' both inputs[i : i + 1] and targets[i : i + 1] with scatter_tensor(..., src, mesh["domain"], (Shard(2),)), '
+    'src = dist.get_global_rank(mesh["domain"].get_group(), 0). Return loss.full_tensor(), all-reduced over '
+    'mesh["ddp"].get_group() and divided by the ddp size, as a float.'
+)
 def step_matches_trainer(train_step, mesh, how, lr):
     """Exercise 1: ``train_step(model, optimizer, mesh, inputs, targets, step)`` trains like ``sl.train.Trainer``:
     the same global loss at every step and the same weights after them. It is run on a model, samples and steps
@@ -179,6 +185,13 @@ def _file_verdict(path: Path, model_state: dict, optimizer_state: dict, step: in
         return f"the file cannot be read back with torch.load ({type(error).__name__}: {error})"
 
 
+@second_hint(
+    "model.state_dict() and optimizer.state_dict() are the wrapper's ('module.' names, parameters by number, "
+    "FSDP2's shards). On every rank: options = StateDictOptions(full_state_dict=True, cpu_offload=True), "
+    "get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options); "
+    'then only if dist.get_rank() == 0, torch.save({"model": ..., "optimizer": ..., "step": step}, path); then '
+    "dist.barrier() on every rank."
+)
 def checkpoint_is_complete(save_checkpoint, mesh, how, lr):
     """Exercise 2: ``save_checkpoint(model, optimizer, step, path)`` leaves one file with the full model and optimizer
     state (parameter names as keys, no wrapper prefix, no shards) and the step. It is judged under both wrappers, the
@@ -275,6 +288,11 @@ def _mesh_of_another_shape(mesh):
     return _OTHER_MESHES[shape]
 
 
+@second_hint(
+    "Each rank computes its own group's sample from the mesh it is given: (step × mesh[\"ddp\"].size() + "
+    "mesh.get_coordinate()[0]) % n_samples; dist.all_gather_object(everyone, mine) with everyone = [None] × "
+    "dist.get_world_size(). The ranks of a domain group report the same sample: return sorted(set(everyone))."
+)
 def samples_of_step(samples_in_step, mesh):
     """Exercise 3: ``samples_in_step(step, mesh, n_samples)`` returns, on every rank, the sorted list of the samples
     whose gradients went into optimizer step ``step``, gathered from what each rank trained on. The judge asks for

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..check import Watch
+from ..check import Watch, second_hint
 from ..measure import max_diff_to_source
 from ..models import conv_stack
 from ..ranks.launch import default_device
@@ -21,6 +21,11 @@ def _weights_of(seed: int, device):
     return [p.detach() for p in conv_stack(seed=seed, **SHAPE).to(device).parameters()]
 
 
+@second_hint(
+    "The source is dist.get_global_rank(mesh[\"domain\"].get_group(), 0), not rank 0 or the ddp group's first rank."
+    " Broadcast a clone of each parameter from it over that group, keep the largest |p − theirs|, then all-reduce"
+    " a tensor of it with op=dist.ReduceOp.MAX over the same group, so that the whole group returns one number."
+)
 def drift_by_hand(domain_drift, mesh) -> str | None:
     """Exercise. Doing it means: broadcast every parameter from the first rank of this rank's domain group, over
     that group, take the largest absolute difference to this rank's own values, and all-reduce its maximum over

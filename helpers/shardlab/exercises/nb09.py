@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..check import Watch
+from ..check import Watch, second_hint
 from ..plan import DTYPES, Planner, conv_model, plan, verdict
 
 # (width, depth, kernel, dtype, ddp, replica, wrapper): other models and layouts than the notebook's worked problem.
@@ -53,6 +53,12 @@ def _padded(model, ddp: int) -> int:
     return 2 * sum(-(-p.shape[0] // ddp) * p[0].nbytes for p in model.parameters())
 
 
+@second_hint(
+    'Per parameter, not the whole state divided by ddp. Under "fsdp2" replica r holds min(ceil(rows / ddp), rows '
+    "− r × ceil(rows / ddp)) rows of dim 0, at least 0, without FSDP2's padding; otherwise all rows. Bytes: 4 × "
+    "rows × p[0].numel() × p.element_size() (parameter, gradient, Adam's two moments; its step counts are on the "
+    "CPU)."
+)
 def state_by_hand(state_bytes) -> str | None:
     """Exercise 1. Doing it means: for each parameter, the rows of this replica's shard (all of them with DDP or no
     wrapper; with FSDP2, torch.chunk's split of dim 0 over the ddp ranks, possibly none), times the bytes of a row;
@@ -139,6 +145,11 @@ def _fits_cases() -> list[tuple]:
     return cases
 
 
+@second_hint(
+    "result = planner.plan(ddp=ddp, domain=domain, wrapper=wrapper); need = result.largest().total, the largest "
+    "rank's total with temporaries, not rank 0's accounted bytes; it fits when need + result.headroom(need) <= "
+    "capacity."
+)
 def fits_by_hand(fits) -> str | None:
     """Exercise 2. Doing it means: plan the layout, take the largest rank's total (temporaries included, the rank
     that decides), add the headroom the plan keeps for what it cannot see (``Plan.headroom``), and compare that

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, earlier_object
+from ..check import Watch, earlier_object, second_hint
 from ..models import DIFFUSE, diffuse
 from ..ranks.warm import restore_registry
 from .nb04 import SMALL, _diagnose, _shard_tensor
@@ -46,6 +46,13 @@ def _cases(x):
     return cases
 
 
+@second_hint(
+    "Work on the t you are given, not xf. halo_padding(t.to_local(), t.device_mesh, HaloConfig(mesh_dim=0, "
+    "tensor_dim=2, halo_size=1, edge_padding_size=1)) brings one row of each neighbour (zeros at the field's "
+    "ends), differentiably; apply func(padded, alpha), drop the first and last row, and wrap with "
+    "ShardTensor.from_local(out, t.device_mesh, t.placements, sharding_shapes=t._spec.sharding_shapes()). No "
+    "full_tensor()."
+)
 def shard_patch(patch, x, before: dict) -> str | None:
     """Exercise. Doing it means: a handler ``patch(func, types, args, kwargs)`` registered for ``DIFFUSE`` that takes
     one halo row from each neighbour (zeros where the field ends), runs ``func`` on the padded local rows, trims the

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from .. import plan as plan_package
-from ..check import Watch, earlier_object
+from ..check import Watch, earlier_object, second_hint
 from ..levers import Levers
 from ..plan import Planner, compare, conv_model, fmt_bytes
 
@@ -157,6 +157,12 @@ def _defined_in(cls: type, name: str) -> type:
     return next(c for c in cls.__mro__ if name in vars(c))
 
 
+@second_hint(
+    "One planner = sl.plan.Planner(model, field). For each domain size that divides world and "
+    "planner.valid_domain allows, smallest first, for each wrapper and each Levers(...) to try, compare "
+    "planner.largest(world // domain, domain, wrapper, levers=levers).total (the largest rank's total) with the "
+    "budget; return the first (ddp, domain, wrapper, levers) that fits, None after the loops."
+)
 def layout_fits_budget(choose_layout, cluster) -> str | None:
     """The exercise. Doing it means: for each domain size from the smallest, each wrapper and each allowed set of
     levers, plan the layout and compare its largest rank's total (temporaries included) with the budget; return the

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..data import open_store, read_slab, write_field_store
 from ..mesh import build_mesh, shard_bounds
 
@@ -59,6 +59,12 @@ def _scattered(path, sample: int, domain):
     return scatter_tensor(whole if dist.get_rank() == source else None, source, domain, (Shard(2),))
 
 
+@second_hint(
+    "torch.chunk's split: size = ceil(H / n) rows per rank until they run out (not H // n with the rest on the "
+    "last). Read only array[sample : sample + 1, :, start:stop, :], and give ShardTensor.from_local(local, "
+    "domain, [Shard(2)], sharding_shapes={0: shapes}) every rank's shape: without them it asks the other ranks, a"
+    " collective."
+)
 def slab_reader(read_rows, store, mesh) -> str | None:
     """Exercise 1. Doing it means: work out this rank's rows [a, b) as torch.chunk splits H over the domain ranks,
     read only those rows of the sample from the array, and build the ShardTensor with ``ShardTensor.from_local`` and
@@ -134,6 +140,12 @@ def _judge_slab(got, expected, array, domain, read: int, shard_tensor) -> str | 
     return None
 
 
+@second_hint(
+    "The replica is mesh.get_coordinate()[0], the ddp coordinate (not dist.get_rank(), not the domain "
+    'coordinate): DistributedSampler(range(dataset_len), num_replicas=mesh["ddp"].size(), rank=replica, '
+    "seed=seed, drop_last=True), then sampler.set_epoch(epoch) before list(sampler), so that each epoch has its "
+    "own order."
+)
 def domain_group_indices(indices_of, mesh) -> str | None:
     """Exercise 2. Doing it means: split a permutation of the samples, drawn from the seed and the epoch, over the
     ``ddp`` replicas only, by the rank's ``ddp`` coordinate, so the ranks of a domain group read the same samples:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..check import Watch, case_generator, earlier_object
+from ..check import Watch, case_generator, earlier_object, second_hint
 from ..models import transolver
 from ..points import PointCloud, mse, predict
 
@@ -37,6 +37,11 @@ def _inputs_seen(model) -> list[str]:
     return seen
 
 
+@second_hint(
+    "Use the model and cloud you are given. src = dist.get_global_rank(domain.get_group(), 0); scatter "
+    "cloud.features and cloud.coords with scatter_tensor(t, src, domain, (Shard(1),)), and return model(features,"
+    " coords) on the scattered pieces: a model run on the whole cloud, cut afterwards, is not domain parallel."
+)
 def runs_sharded(run_sharded, cloud, domain) -> str | None:
     """Exercise 1. Doing it means: scatter the cloud's features and coordinates along the points (dim 1) over
     ``domain`` from its first rank, and call the model on the two ShardTensors; its output stays sharded.
@@ -109,6 +114,11 @@ def _wrong_gradient(model, rng, moving) -> str:
     return f"the gradient of {name} is 0.1 % off (the outputs are equal)"
 
 
+@second_hint(
+    "Run both: the model on cloud.shard(domain) and one_process on the whole cloud (sl.points.predict), each "
+    "followed by sl.points.mse(...).backward(). Compare out.full_tensor() with the whole output and every p.grad "
+    "with its q.grad (torch.allclose, tight tolerances: float64); any difference gives False."
+)
 def checks_parity(parity_holds, cloud, domain) -> str | None:
     """Exercise 2. Doing it means: run the model on the cloud sharded over ``domain`` and the one-process model on
     the whole cloud, forward and backward (``sl.points.mse``), and compare the gathered output and every parameter's

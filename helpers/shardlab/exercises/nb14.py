@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from ..check import Watch, case_generator
+from ..check import Watch, case_generator, second_hint
 from ..flight import Entered, waits
 from ..measure import timeline
 
@@ -60,6 +60,11 @@ def _trace(rng: random.Random) -> tuple[list[dict], float]:
     return events, busy / total
 
 
+@second_hint(
+    "Sort the collectives' (start, end) spans by start. For each step, clip every span to the step and add only "
+    "the part past the end counted so far, so that overlapping collectives on several threads count once and time"
+    " outside the steps not at all; divide by the steps' total duration."
+)
 def share_from_trace(fn) -> str | None:
     """Exercise 1: the share of a rank's steps with a collective in flight, from its trace events."""
     if not callable(fn):
@@ -117,6 +122,11 @@ def _records(rng: random.Random, go_on: bool):
     return {r: list(entries) for r, entries in records.items()}, truth
 
 
+@second_hint(
+    "Keep each rank's newest entry per (rank, group), not per rank: the newest collective in one group says "
+    "nothing about another. Per group, the members whose newest seq is below the group's highest (0 if they "
+    "entered none) are missing, the others waiting; op is the waiting members' entry's."
+)
 def parting_collectives(fn) -> str | None:
     """Exercise 2: every collective where the ranks' records part, who entered it and who never did."""
     if not callable(fn):

@@ -4,6 +4,7 @@
 - ``bench``: start-up and step costs measured side by side;
 - ``handout``: the learners' copy of the notebooks, answers blanked (``make handout``);
 - ``agenda``: a workshop's agenda from INSTRUCTORS.md's timings;
+- ``instructor_notes``: the parts of ``instructors/``'s notes that come from the notebooks;
 - ``gpucheck``: what only GPUs prove, in one command (``make gpu-check``);
 - ``morning``: the machine check for the morning of a workshop (``make morning``).
 """

@@ -1,8 +1,9 @@
 """Who is stuck: the class's exercise checks as one table, ``python -m shardlab.tools.class_view FOLDER [--stuck N]``.
 
 FOLDER is the class folder the learners' checks write to (``SHARDLAB_CLASS_DIR``, ``shardlab.progress``). One row
-per learner: the exercise they checked last, how many exercises they have passed, and each exercise they failed
-``--stuck`` times (3 by default) or more without passing it since: the learners to visit first.
+per learner: the exercise they checked last, how many exercises they have passed, each exercise they failed
+``--stuck`` times (3 by default) or more without passing it since (the learners to visit first), and each exercise
+whose reference answer they revealed (``sl.check.reveal``).
 """
 
 from __future__ import annotations
@@ -23,20 +24,23 @@ def class_rows(records: list[dict], stuck_after: int = 3) -> list[dict]:
     rows = []
     for who, mine in sorted(by_learner.items()):
         failed_since_pass: dict[str, int] = {}
-        passed = set()
+        passed, revealed = set(), []
         for r in mine:
             key = f"{r.get('notebook') or '?'}: {r['exercise']}"
-            if r["passed"]:
+            if r.get("revealed"):  # asked for the answer: not a try
+                revealed.append(key)
+            elif r["passed"]:
                 passed.add(key)
                 failed_since_pass[key] = 0
             else:
                 failed_since_pass[key] = failed_since_pass.get(key, 0) + 1
         last = mine[-1]
         stuck = [f"{key} ({n}×)" for key, n in failed_since_pass.items() if n >= stuck_after]
-        rows.append({"learner": who, "last check": f"{last.get('notebook') or '?'}: {last['exercise']} "
-                                                  f"{'✓' if last['passed'] else '✗'}",
+        mark = "revealed" if last.get("revealed") else "✓" if last["passed"] else "✗"
+        rows.append({"learner": who, "last check": f"{last.get('notebook') or '?'}: {last['exercise']} {mark}",
                      "minutes ago": round((time.time() - last.get("time", time.time())) / 60),
-                     "passed": len(passed), "stuck on": "; ".join(stuck) or "-"})
+                     "passed": len(passed), "stuck on": "; ".join(stuck) or "-",
+                     "revealed": "; ".join(dict.fromkeys(revealed)) or "-"})  # each once, in order
     return rows
 
 
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
     if not rows:
         print(f"no check recorded in {args.folder} yet")
         return 0
-    print(Table(rows, ["learner", "last check", "minutes ago", "passed", "stuck on"], tablefmt="github"))
+    print(Table(rows, ["learner", "last check", "minutes ago", "passed", "stuck on", "revealed"], tablefmt="github"))
     return 0
 
 

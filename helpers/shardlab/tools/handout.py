@@ -3,7 +3,9 @@
 ``python -m shardlab.tools.handout [SRC] [OUT]`` (``make handout``) copies ``notebooks/`` to
 ``build/handout/``. A cell tagged ``solution`` keeps its ``%%px`` line and its functions' signatures and
 docstrings (``...`` for a body), and each other name it assigns becomes ``name = ...``: the exercise check reports
-either as "not answered yet".
+either as "not answered yet". The blanked cells' sources are kept beside the notebooks, in ``answers.FILE``, where
+``sl.check.reveal`` shows one when a learner asks, and where 07's later cells take the reference answer of a learner
+who has not passed its check.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import nbformat
 
-SOLUTION_TAG = "solution"
+from .. import answers
+from ..answers import SOLUTION_TAG
 
 
 def _bound_names(statements) -> list[str]:
@@ -95,14 +98,16 @@ def wrong_answers(cell) -> list[dict]:
 
 
 def make_handout(src: Path, out: Path) -> list[Path]:
-    """Write every notebook of ``src`` to ``out`` with solution cells blanked; return the files written."""
+    """Write every notebook of ``src`` to ``out`` with solution cells blanked, and their sources to the file of
+    reference answers there; return the notebooks written."""
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, references = [], {}
     for path in sorted(src.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
             tags = cell.get("metadata", {}).get("tags", [])
             if SOLUTION_TAG in tags:
+                references.setdefault(path.name, []).append(cell.source)
                 cell.source = blank_source(cell.source)
                 cell.metadata["tags"] = [t for t in tags if t != SOLUTION_TAG] + ["exercise"]
                 cell.metadata.pop("shardlab", None)  # the wrong answers the tests try: not for learners
@@ -110,6 +115,7 @@ def make_handout(src: Path, out: Path) -> list[Path]:
                 cell.outputs, cell.execution_count = [], None
         nbformat.write(nb, out / path.name)
         written.append(out / path.name)
+    answers.write(out, references)
     return written
 
 
@@ -118,7 +124,8 @@ def main(argv=None) -> int:
     src = Path(args[0] if args else "notebooks")
     out = Path(args[1] if len(args) > 1 else "build/handout")
     written = make_handout(src, out)
-    print(f"wrote {len(written)} learner notebooks without solutions to {out}/")
+    print(f"wrote {len(written)} learner notebooks without solutions to {out}/, and their reference answers, which "
+          f"sl.check.reveal shows, to {out / answers.FILE}")
     return 0
 
 
