@@ -6,6 +6,8 @@ engines is ``engines``' business; what a rank runs to initialise or reset itself
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import signal
@@ -16,7 +18,7 @@ from pathlib import Path
 import ipyparallel as ipp
 import psutil
 
-from . import launch, procs, warm
+from . import launch, procs, warden, warm
 from .devices import threads_per_rank, usable_cores
 from .engines import ENGINE_CONFIG, EngineLauncher
 from .programs import CONTROLLER_PORTS, free_port, free_ports
@@ -40,6 +42,85 @@ CONTROLLER_SOCKETS = 24  # it listens on 18 with its default schedulers; a spare
 # line, which every user of the node can read) and writes it into the connection files in the owner-only profile
 # folder, where the engines, this kernel's client and a kernel that takes a parked cluster over read it.
 SESSION_KEY = "IPP_SESSION_KEY"
+
+
+# An opt-in start gate for a class on one shared node (INSTRUCTORS.md, "A class on one shared node"): with
+# SHARDLAB_START_GATE naming a folder every learner can write (mode 1777), a fresh start waits for one of
+# SHARDLAB_START_SLOTS (default 4) flock slots there, so that 40 learners' 160 ranks do not all import PyTorch in the
+# same second. A slot is held from the controller's start until every rank is initialised; a kernel that dies lets
+# go of it (the kernel closes the file), and a start that waited START_GATE_WAIT_S goes ahead anyway, saying so.
+START_GATE, START_SLOTS, DEFAULT_SLOTS, START_GATE_WAIT_S = "SHARDLAB_START_GATE", "SHARDLAB_START_SLOTS", 4, 600.0
+
+
+def slot_holders(paths: list[Path]) -> list[str]:
+    """Who holds the flock of each of ``paths`` ("alice (pid 123)"), from /proc/locks, which every user may read."""
+    inodes = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            inodes[os.stat(path).st_ino] = path
+    holders = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 4242 00:2d:1234 0 EOF" (blocked waiters: "->")
+            inode = fields[5].rsplit(":", 1)[-1] if len(fields) >= 6 and fields[1] == "FLOCK" else ""
+            if inode.isdigit() and int(inode) in inodes:
+                try:
+                    holders.append(f"{psutil.Process(int(fields[4])).username()} (pid {fields[4]})")
+                except (psutil.Error, ValueError):
+                    holders.append(f"pid {fields[4]}")
+    return holders
+
+
+@contextlib.contextmanager
+def start_slot(say: Callable[[str], None] = lambda text: None, folder: str | None = None, slots: int | None = None,
+               wait_s: float = START_GATE_WAIT_S, poll_s: float = 0.5):
+    """Hold one of the start gate's slots while the body runs (nothing without ``$SHARDLAB_START_GATE``): wait for a
+    free one, telling ``say`` whose starts it waits for; after ``wait_s``, go ahead without one. A gate folder that
+    cannot be used is said once and skipped: a broken gate never stops a learner's start."""
+    folder = folder or os.environ.get(START_GATE)
+    if not folder:
+        yield
+        return
+    chosen = slots if slots is not None else os.environ.get(START_SLOTS) or DEFAULT_SLOTS
+    slots = int(chosen) if str(chosen).isdigit() else 0
+    if slots < 1:
+        raise ClusterError(f"{START_SLOTS}={chosen!r} is not a whole number of start slots, at least 1: set it to "
+                           "how many clusters may start at once on this node, or unset it (4).")
+    paths, held, t0, holders = [Path(folder, f"slot-{i}") for i in range(slots)], None, time.monotonic(), ""
+    while held is None:
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)  # read-only is enough for flock
+            except OSError as error:
+                print(f"shardlab: the start gate {folder} cannot be used ({error.strerror}): starting without it.")
+                yield
+                return
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o644)  # a slot this user created: the other learners must open it too, whatever umask
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = fd
+                break
+            except BlockingIOError:
+                os.close(fd)
+        if held is not None:
+            break
+        holders = ", ".join(slot_holders(paths)) or "processes this user cannot see"
+        waited = time.monotonic() - t0
+        if waited >= wait_s:
+            print(f"shardlab: waited {waited:.0f} s for one of the {slots} start slot(s) in {folder} (held by "
+                  f"{holders}): starting without one.")
+            break
+        say(f"waiting for one of the {slots} start slot(s) of this node: held by {holders}")
+        time.sleep(poll_s)
+    if holders and held is not None:
+        print(f"shardlab: waited {time.monotonic() - t0:.0f} s for one of the {slots} start slot(s) in {folder}, "
+              f"held by {holders}.")
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.close(held)  # closing the file lets go of the lock
 
 
 def check_engine_ids(ids: list[int], ranks: list[int]) -> None:
@@ -97,20 +178,23 @@ def controller_arguments() -> list[str]:
 def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, controller_ip: str,
             shared_dir: str | None, pool: warm.Pool | None):
     """What a fresh start needs before any process runs: (ipyparallel Cluster, the process record, the engine set's
-    options). The record is saved first: a crash from here on is cleaned up by the next start. The profile folder
-    goes to ``shared_dir``, else the pool's folder, else the temp folder; in a pool, every process is marked as the
-    pool's, since it outlives the kernel that starts it."""
+    options). The record is saved first, and the cluster's warden started (``warden``): from here on, the cluster
+    ends with the process that owns it, whatever kills that. The profile folder goes to ``shared_dir``, else the
+    pool's folder, else the temp folder; in a pool, every process is marked as the pool's, since it outlives the
+    kernel that starts it, and every process is marked with the cluster's id, recorded or not yet."""
     pooled = {} if pool is None else pool.marked_environment()
     profile_dir = procs.make_profile_dir(cluster_id, shared_dir or (pool and pool.folder))
     Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
     record = procs.Record.for_this_kernel(cluster_id, profile_dir, job_name, str(pool.folder) if pool else "")
     record.save()
     options = launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
-    options["environment"] |= pooled
+    warden.start(record, os.environ | procs.marked_environment() | pooled)  # the cluster ends with its owner
+    options["environment"] |= pooled | warden.marked_environment(cluster_id)
     cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
                           controller_ip=controller_ip, controller_args=controller_arguments(), log_level=40)
     cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
-                                                          | procs.marked_environment() | pooled)
+                                                          | procs.marked_environment() | pooled
+                                                          | warden.marked_environment(cluster_id))
     return cluster, record, options
 
 
@@ -144,8 +228,13 @@ def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:
 def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Record, n: int, options: dict,
              timeout_s: float, start_timeout_s: float, say: Callable[[str], None] = lambda text: None):
     """Start ``cluster``'s controller and ``n`` engines, wait for them to register and initialise every rank, adding
-    each process to ``record`` as soon as it exists (a crash from here on is cleaned up by the next start):
+    each process to ``record`` as soon as it exists (the cluster's warden stops them all if this kernel dies):
     (Client, blocking view, every rank's state, timings). ``say`` is told how far the start is, in a few words."""
+    with start_slot(say):  # the class's start gate, where one is set up: else nothing
+        return _bring_up(cluster, launcher, record, n, options, timeout_s, start_timeout_s, say)
+
+
+def _bring_up(cluster, launcher, record, n, options, timeout_s, start_timeout_s, say):
     t0 = time.perf_counter()
     say(f"starting {n} ranks: the controller")
     cluster.start_controller_sync()

@@ -10,9 +10,10 @@ open while the tests run. So nothing here matches processes by name:
   profile folder) into a registry folder that belongs to this user alone and is checked before
   it is trusted.
 
-A later ``start_cluster`` stops the clusters of kernels that died; it ignores records it did
-not write, cancels only Slurm jobs named after the recorded cluster, and deletes only profile
-folders this package created (our name prefix, ours, with the marker file written at creation).
+A cluster's warden (``warden``) stops it once its kernel died, and a later ``start_cluster`` what
+a killed warden left; both ignore records they did not write, cancel only Slurm jobs named after
+the recorded cluster, and delete only profile folders this package created (our name prefix, ours,
+with the marker file written at creation).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-from . import beacon, devices, launch, procs
+from . import beacon, devices, launch, procs, warden
 
 POOL = "SHARDLAB_WARM_POOL"
 SETTINGS = "pool-settings"
@@ -137,7 +137,7 @@ class Parked:
 
     def claim(self) -> procs.Record | None:
         """Take the parked cluster out of the pool (an atomic rename: of two claimants, one wins); its record, or
-        None if someone else took it first. The keeper sees its marker gone and exits."""
+        None if someone else took it first. The keeper exits once the record names another owner (``warden``)."""
         taken = Path(self.path).with_suffix(f".claimed-{os.getpid()}")
         try:
             os.rename(self.path, taken)
@@ -202,14 +202,14 @@ def stop_parked_on_cuda(pool: Pool) -> list[str]:
 
 
 def keep(marker: Path, poll_s: float = 0.5) -> None:
-    """The keeper: wait while the cluster is parked; stop it once its idle time is up. Exits as soon as a kernel
-    claims it (the marker is gone)."""
+    """The keeper, owner of its parked cluster: stops it when its idle time is up; exits once a kernel claimed it."""
     while (parked := Parked.load(marker)) is not None:
         if time.time() > parked.deadline:
             if (record := parked.claim()) is not None:
                 record.clean_up(grace_s=1.0)
             return
         time.sleep(poll_s)
+    warden.handed_over(marker.with_name(marker.name.removesuffix(PARKED) + ".json"), procs.identity())  # not ownerless
 
 
 # -- on every rank --------------------------------------------------------------------------------------------------

@@ -1,0 +1,232 @@
+"""Ranks end with their kernel (shardlab.ranks.warden): once the process that owns a cluster is gone, whatever killed
+it (SIGKILL included), its controller, launcher and engines end within 10 s; nothing of another owner's is touched.
+
+The first tests stand sleepers in for a cluster's processes (no ranks, seconds); the others start real clusters in a
+child process and kill it, as the OOM killer or a crash kills a kernel. Every kill here goes to a pid this test
+started; what must end is what the cluster recorded, plus every process marked with its id."""
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shardlab.ranks import procs, warden, warm
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
+ENDS_WITHIN_S = 10.0  # after the owner's death
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A private registry for the test, so the user's real one is never touched."""
+    path = tmp_path / "registry"
+    monkeypatch.setenv("SHARDLAB_REGISTRY", str(path))
+    return path
+
+
+@pytest.fixture
+def started():
+    """Popen of a process this test starts; each is killed and reaped at the end, whatever happened."""
+    children: list[subprocess.Popen] = []
+
+    def start(cmd=SLEEP, **env) -> subprocess.Popen:
+        children.append(subprocess.Popen(cmd, env=os.environ | procs.marked_environment() | env))
+        return children[-1]
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+
+
+def _running(processes: list[tuple[int, float]]) -> list[str]:
+    """The recorded processes still running (zombies excluded), described."""
+    out = []
+    for proc in procs.alive(processes):
+        try:
+            out.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+def _wait_gone(processes: list[tuple[int, float]], since: float) -> list[str]:
+    """Poll until none of ``processes`` runs, at most until ``since`` + ENDS_WITHIN_S; what still runs then."""
+    while (left := _running(processes)) and time.monotonic() < since + ENDS_WITHIN_S:
+        time.sleep(0.1)
+    return left
+
+
+def _cluster_of_sleepers(started, profile_dir: str, owner: subprocess.Popen) -> tuple[procs.Record, list]:
+    """A record owned by ``owner`` listing one sleeper, one more sleeper only marked with the cluster's id (a start cut
+    short before recording it), and its warden: (record, identities of all three)."""
+    recorded, marked = started(), started(**warden.marked_environment("shardlab-doomed"))
+    record = procs.Record("shardlab-doomed", *procs.identity(owner.pid), profile_dir,
+                          [procs.identity(recorded.pid)])
+    record.save()
+    watcher = warden.start(record, os.environ | procs.marked_environment())
+    return record, [procs.identity(recorded.pid), procs.identity(marked.pid), watcher]
+
+
+def test_a_dead_owners_cluster_ends_and_nothing_else_does(registry, started):
+    owner = started()
+    profile = procs.make_profile_dir("shardlab-doomed")
+    record, doomed = _cluster_of_sleepers(started, profile, owner)
+    # Bystanders: another cluster's marked process, another live owner's recorded one, an unmarked process of ours.
+    other_cluster, unmarked = started(**warden.marked_environment("shardlab-other")), started()
+    other_record = started()
+    procs.Record("shardlab-alive", *procs.identity(), "/nonexistent", [procs.identity(other_record.pid)]).save()
+
+    owner.send_signal(signal.SIGKILL)  # not reaped yet: a zombie owner is no owner
+    killed = time.monotonic()
+    left = _wait_gone(doomed, killed)
+    assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the owner was killed: {left}"
+    assert all(p.poll() is None for p in (other_cluster, unmarked, other_record))
+    assert not record.path.exists() and not Path(profile).exists()
+    assert [r.cluster_id for r in procs.records_in()] == ["shardlab-alive"]
+
+
+def test_a_cluster_stopped_by_its_owner_lets_its_warden_go(registry, started, tmp_path):
+    record, (_, _, watcher) = _cluster_of_sleepers(started, str(tmp_path), started())
+    record.clean_up(grace_s=1.0)  # what cluster.stop() does
+    left = _wait_gone([watcher], time.monotonic())
+    assert not left, f"the warden outlived its cluster's record: {left}"
+
+
+def test_a_cluster_handed_over_follows_its_new_owner(registry, started, tmp_path):
+    """A cluster parked (its keeper the owner) or claimed (the claiming kernel): the old owner's end stops nothing,
+    the new owner's does."""
+    first, second = started(), started()
+    record, doomed = _cluster_of_sleepers(started, str(tmp_path), first)
+    record.owner_pid, record.owner_created = procs.identity(second.pid)
+    record.save()
+    first.kill()
+    first.wait()
+    time.sleep(4 * warden.POLL_S)  # the warden reads the record every POLL_S: let it see the first owner gone
+    assert len(_running(doomed)) == 3 and record.path.exists()
+    second.kill()
+    killed = time.monotonic()
+    left = _wait_gone(doomed, killed)
+    assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the new owner was killed: {left}"
+
+
+def test_a_claimed_clusters_keeper_waits_until_the_record_names_the_claimant(registry, tmp_path):
+    """warm.keep's last step: the keeper stays the owner until the claimant has saved itself as the new one, so the
+    warden never sees a cluster without a live owner in between."""
+    keeper = procs.identity()
+    record = procs.Record("shardlab-claimed", *keeper, str(tmp_path))
+    record.save()
+
+    def claimant_saves():
+        time.sleep(0.5)
+        record.owner_pid, record.owner_created = procs.identity(os.getppid())
+        record.save()
+
+    saver = threading.Thread(target=claimant_saves)
+    saver.start()
+    assert warden.handed_over(record.path, keeper, timeout_s=30)
+    assert procs.load_record(record.path).owner_pid == os.getppid()  # it returned only after the save
+    saver.join()
+    record.owner_pid, record.owner_created = keeper
+    record.save()
+    assert not warden.handed_over(record.path, keeper, timeout_s=0.3)  # a claimant that never saved: it gives up
+
+
+# -- real clusters, their owner killed ------------------------------------------------------------------------------
+
+OWNER = """
+import json, sys
+from shardlab.ranks.cluster import MPICluster
+cluster = MPICluster(n=int(sys.argv[1]), keep_warm=sys.argv[2] == "park").start()
+record = {"cluster_id": cluster.cluster_id, "record": str(cluster._record.path),
+          "profile": cluster.profile_dir, "processes": cluster._record.processes}
+if sys.argv[2] == "park":
+    cluster.stop()  # parked: its keeper owns it now, and this process exits
+print("cluster:", json.dumps(record), flush=True)
+if sys.argv[2] != "park":
+    sys.stdin.read()  # until the test kills it
+"""
+
+
+def _start_owner(n: int, how: str, env: dict) -> tuple[subprocess.Popen, dict]:
+    """A process that starts an ``n``-rank cluster (``how``: "own" keeps it, "park" parks it and exits) and prints
+    what it started."""
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(OWNER), str(n), how], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in owner.stdout] + [lines.put("")], daemon=True).start()
+    deadline, said = time.monotonic() + 300, []
+    with contextlib.suppress(queue.Empty):
+        while line := lines.get(timeout=max(0.0, deadline - time.monotonic())):  # "": it exited
+            if line.startswith("cluster: "):
+                return owner, json.loads(line.removeprefix("cluster: "))
+            said.append(line)
+    owner.kill()
+    owner.wait()
+    pytest.fail(f"the {n}-rank cluster did not start within 300 s, or its owner exited ({owner.returncode}); it "
+                f"said: {''.join(said)[-2000:]}")
+
+
+def _everything_of(started: dict) -> list[tuple[int, float]]:
+    """What must end: the processes the cluster recorded, and every process marked with its id (its warden too)."""
+    marked = [procs.identity(p.pid) for p in warden.marked_processes(started["cluster_id"])]
+    return sorted({tuple(p) for p in started["processes"]} | set(marked))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks, sig", [(2, signal.SIGKILL), (4, signal.SIGKILL), (2, signal.SIGTERM)],
+                         ids=["2-SIGKILL", "4-SIGKILL", "2-SIGTERM"])
+def test_a_killed_kernels_ranks_end_within_10_s(no_leftovers, ranks, sig):
+    env = {k: v for k, v in os.environ.items() if k != warm.POOL}
+    owner, cluster = _start_owner(ranks, "own", env)
+    try:
+        everything = _everything_of(cluster)
+        commands = [p.cmdline() for p in procs.alive(everything)]
+        assert sum(c[1:3] == ["-m", "ipyparallel.engine"] for c in commands) == ranks, commands  # nannies aside
+        for what in ("ipyparallel.controller", "shardlab.ranks.warden"):
+            assert any(what in c for c in commands), (what, commands)
+        assert any(Path(c[0]).name in ("mpiexec", "prterun") for c in commands), commands
+        owner.send_signal(sig)
+        killed = time.monotonic()
+        owner.wait(timeout=30)
+        left = _wait_gone(everything, killed)
+        assert not left, f"{ranks} ranks: still running {ENDS_WITHIN_S:.0f} s after {sig.name} to the owner: {left}"
+        print(f"[measured] {len(everything)} processes of a {ranks}-rank cluster ended "
+              f"{time.monotonic() - killed:.1f} s after {sig.name} to its owner")
+        assert not Path(cluster["record"]).exists() and not Path(cluster["profile"]).exists()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+@pytest.mark.multirank
+def test_a_parked_clusters_ranks_end_with_its_keeper(no_leftovers, tmp_path):
+    """A parked cluster's owner is its keeper: killed, the cluster ends as a kernel's does."""
+    pool = warm.Pool.create(procs.origin(), idle_s=600)
+    try:
+        owner, cluster = _start_owner(2, "park", os.environ | {warm.POOL: str(pool.folder)})
+        owner.wait(timeout=120)
+        [parked] = pool.parked()
+        keeper = procs.same_process(*parked.keeper)
+        assert keeper is not None and procs.load_record(Path(cluster["record"])).owner_pid == keeper.pid
+        everything = _everything_of(cluster)
+        assert len(procs.alive(everything)) > 2 + 2  # engines, controller, launcher, warden (the keeper is not of it)
+        keeper.kill()  # the keeper is no child of this test: it ends, and its parent has exited, so nothing waits
+        killed = time.monotonic()
+        left = _wait_gone(everything, killed)
+        assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the keeper was killed: {left}"
+        print(f"[measured] a parked cluster ended {time.monotonic() - killed:.1f} s after its keeper was killed")
+    finally:
+        pool.stop()
