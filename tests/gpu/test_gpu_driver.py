@@ -330,17 +330,18 @@ def test_bench_by_default_starts_ranks_the_gpus_can_hold(monkeypatch, count, ran
 
 
 @pytest.mark.parametrize("count, ranks", [(2, 2), (3, 2), (4, 4), (5, 4), (7, 6), (8, 8)])
-def test_the_notebooks_row_runs_the_largest_even_count_of_ranks_the_gpus_hold(monkeypatch, count, ranks):
-    row = {r["name"]: r for r in gpucheck.plan(count)}["notebooks"]
+def test_the_notebooks_rows_run_the_largest_even_count_of_ranks_the_gpus_hold(monkeypatch, count, ranks):
+    row = {r["name"]: r for r in gpucheck.plan(count)}["notebook 07_capstone"]
     assert row["ranks"] == ranks and row["on"] == f"{ranks} CUDA ranks"
     seen = {}
 
     def fake_run(cmd, env, timeout_s, what):
-        seen["ranks"] = env["SHARDLAB_RANKS"]
-        return SimpleNamespace(returncode=0, stdout="12 passed", stderr="")
+        seen["ranks"], seen["notebooks"] = env["SHARDLAB_RANKS"], [c for c in cmd if c.endswith(".ipynb")]
+        return SimpleNamespace(returncode=0, stdout="1 passed", stderr="")
 
     monkeypatch.setattr(gpucheck.procs, "run_process_group", fake_run)
     assert gpucheck.run_row(row, count)[1] and seen["ranks"] == str(ranks)
+    assert [Path(n).name for n in seen["notebooks"]] == ["07_capstone.ipynb"]
 
 
 @pytest.mark.notebook

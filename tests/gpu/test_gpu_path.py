@@ -228,11 +228,12 @@ def test_gpucheck_plan_says_what_each_gpu_count_can_prove():  # bug 10, and the 
         print(f"\n{count} GPU(s)\n{gpucheck.Table(gpucheck.plan(count), ['check', 'on', 'budget_s'])}")
     assert not any(r["runs"] for r in gpucheck.plan(0))
     one = {r["name"]: r["on"] for r in gpucheck.plan(1)}
-    assert one["smoke"] == one["notebooks"] == one["skipped-collective"] == one["scaling"] == "needs 2+ GPUs"
+    assert one["smoke"] == one["notebook 07_capstone"] == one["skipped-collective"] == one["scaling"] == "needs 2+ GPUs"
+    assert {one[k] for k in ("loading-memory", "timeline", "flight-record", "transolver-parity")} == {"needs 2+ GPUs"}
     assert {one[k] for k in ("activation-memory", "state-memory", "planner", "compile-speed", "tf32-error")} == {
         "1 CUDA rank"}
     four = {r["name"]: r for r in gpucheck.plan(4)}
-    assert four["notebooks"]["on"] == "4 CUDA ranks" and four["skipped-collective"]["on"] == "2 CUDA ranks"
+    assert four["notebook 07_capstone"]["on"] == "4 CUDA ranks" and four["skipped-collective"]["on"] == "2 CUDA ranks"
     assert four["scaling"]["on"] == "4 CUDA ranks" and "N in [1, 2, 4]" in four["scaling"]["check"]
     assert "N in [1, 2, 4]" in four["activation-memory"]["check"]
     assert "N in [1, 2, 4, 8]" in {r["name"]: r for r in gpucheck.plan(8)}["activation-memory"]["check"]
@@ -254,8 +255,8 @@ def test_gpucheck_writes_its_json_after_every_row_and_gives_each_row_its_own_bud
     rows = gpucheck.checks(1, out)
     planned = [r for r in gpucheck.plan(1)]
     assert [(name, budget) for name, budget, _ in seen] == [(r["name"], r["budget_s"]) for r in planned if r["runs"]]
-    # Three "needs 2+" rows, then one more per row, and the scaling row (needs 2+) written before compile-speed.
-    assert [written for *_, written in seen] == [3, 4, 5, 7, 8]
+    # Two "needs 2+" rows, then one more per row, and the scaling row (needs 2+) written before compile-speed.
+    assert [written for *_, written in seen] == [2, 3, 4, 6, 7]
     assert json.loads(out.read_text())["rows"] == rows
     status = {r["check"].split(":")[0]: r["status"] for r in rows}
     assert [r["status"] for r in rows].count("FAILED") == 2 and "needs 2+ GPUs" in status.values()

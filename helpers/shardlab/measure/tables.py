@@ -195,6 +195,60 @@ def scaling_table(args) -> dict:
             "rows": rows}
 
 
+def timeline_table(args) -> dict:
+    """Notebook 14's step on every rank (its U-Net, DDP on ``ddp``, one Darcy sample per domain group scattered over a
+    domain of 2), two steps profiled after one: per rank the step times, the shares (summing to 1), the collectives
+    of each kind and caller, and the collectives' kernels in the trace (NCCL's ``ncclDevKernel_*``; none on gloo)."""
+    import tempfile
+
+    from physicsnemo.domain_parallel import scatter_tensor
+    from torch.distributed.tensor import Shard
+    from torch.profiler import record_function
+
+    from ..mesh import domain_source
+    from ..train import normalized_darcy, sample_index, wrap
+
+    state = init_distributed(args.timeout)
+    device = torch.device(state.device)
+    mesh = build_mesh(ddp=-1, domain=2)
+    src, replica = domain_source(mesh), mesh.get_coordinate()[0]
+    inputs, targets = normalized_darcy(samples=8)
+    model = wrap(unet(seed=0).to(device), mesh, "ddp")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(i):
+        j = sample_index(i, mesh["ddp"].size(), replica, len(inputs))
+        with record_function("load + scatter"):
+            x = scatter_tensor(inputs[j : j + 1].to(device), src, mesh["domain"], (Shard(2),))
+            y = scatter_tensor(targets[j : j + 1].to(device), src, mesh["domain"], (Shard(2),))
+        with record_function("forward"):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    step(0)
+    with tempfile.TemporaryDirectory(prefix="shardlab-timeline-") as folder:
+        summary = timeline.profile_steps(step, 2, folder)
+        trace = json.loads(Path(folder, f"rank-{state.rank}.json").read_text())["traceEvents"]
+    shares = timeline.shares(summary)
+    kinds = [kind for kind, *_ in summary["collectives"]]
+    mine = {"rank": state.rank, "steps_s": timeline.step_seconds(summary), "shares_sum": sum(shares.values()),
+            "communication": timeline.communication_share(summary), "compute": shares[timeline.COMPUTE],
+            "idle": shares[timeline.IDLE], "halo exchange": kinds.count("halo exchange"),
+            "ShardTensor all-reduces": kinds.count(timeline.SHARD_ALL_REDUCE),
+            "DDP all-reduces": kinds.count(timeline.DDP_ALL_REDUCE),
+            "NCCL kernels": sum(e.get("cat") == "kernel" and e["name"].startswith(("ncclDevKernel", "ncclKernel"))
+                                for e in trace)}
+    return {"title": "notebook 14's step, 2 profiled steps per rank: shares, collectives by kind and caller, NCCL "
+                     "kernels in the trace" + ("" if state.device.startswith("cuda") else
+                                               "; CPU ranks: the program, not a GPU claim"),
+            "rank": state.rank, "world_size": state.world_size, "backend": state.backend, "device": state.device,
+            "rows": _gather_rows(mine)}
+
+
 TABLES = {
     "activation-memory": (activation_memory_table, 4, {"sizes": [1, 2, 4], "width": 16, "layers": 3}),
     "state-memory": (state_memory_table, 4, {"sizes": [1, 2, 4], "width": 64, "layers": 4}),
@@ -202,6 +256,7 @@ TABLES = {
     "compile-speed": (compile_speed_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
     "tf32-error": (tf32_error_table, 1, {"sizes": [1], "width": 16, "layers": 3}),
     "scaling": (scaling_table, 4, {"sizes": [1, 2, 4]}),
+    "timeline": (timeline_table, 4, {"sizes": [4]}),
 }
 
 

@@ -32,12 +32,15 @@ from pathlib import Path
 
 from .. import quiet
 
-# What each collective is for in a domain-parallel step, by the words in its event's name (gloo's and NCCL's
-# events, c10d's ops).
+# What each collective is for in a domain-parallel step, by the words in its event's name, lower case and without
+# underscores: gloo's and NCCL's host events (``gloo:all_to_all``, ``nccl:_reduce_scatter_base``) and NCCL's kernels
+# (``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``, ``ncclDevKernel_SendRecv``: NCCL runs every send and receive, so
+# ShardTensor's halo exchange, as one SendRecv kernel). The first kind that matches wins: a reduce-scatter is not a
+# scatter.
 KINDS = {
-    "halo exchange": ("all_to_all", "alltoall", "sendrecv", "send", "recv"),
-    "all-reduce": ("all_reduce", "allreduce"),
-    "reduce-scatter / all-gather": ("reduce_scatter", "allgather", "all_gather"),
+    "halo exchange": ("alltoall", "sendrecv", "send", "recv"),
+    "all-reduce": ("allreduce",),
+    "reduce-scatter / all-gather": ("reducescatter", "allgather"),
     "scatter / broadcast": ("broadcast", "scatter"),
 }
 # An all-reduce, by its caller: ShardTensor (the functional collectives, over the domain mesh), or DDP (over ddp).
@@ -57,7 +60,7 @@ def kind_of(name: str) -> str | None:
     """The communication kind of a collective's event name (``KINDS``), or None for anything else."""
     if not name.startswith(BACKENDS):
         return None
-    lowered = name.lower()
+    lowered = name.lower().replace("_", "")
     return next((kind for kind, words in KINDS.items() if any(w in lowered for w in words)), None)
 
 
@@ -123,7 +126,7 @@ def summarize(events: list[dict], rank: int, base_us: float = 0.0) -> dict:
     gpu = [e for e in spans if e.get("cat") in GPU_KERNELS]
     on_gpu = any(kind_of(e["name"]) for e in gpu)  # NCCL: the transfers are kernels; the nccl: host events launch
     transfers = [(e, kind_of(e["name"])) for e in (gpu if on_gpu else spans) if kind_of(e["name"])]
-    callers = _all_reduce_callers([e for e, kind in transfers if kind == "all-reduce"], spans, main)
+    callers = _all_reduce_callers([e for e, kind in transfers if kind == "all-reduce"], spans)
     transfers = [(e, callers.get(id(e), DDP_ALL_REDUCE) if kind == "all-reduce" else kind) for e, kind in transfers]
     inside = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main and e.get("cat") != "user_annotation"]
     inside += [(e["ts"], e["ts"] + e["dur"]) for e in gpu if not kind_of(e["name"])]  # the GPU computing
@@ -135,7 +138,8 @@ def summarize(events: list[dict], rank: int, base_us: float = 0.0) -> dict:
         taken += by_kind[kind]
     by_kind[COMPUTE] = minus(steps_only(inside), taken)
     by_kind[IDLE] = minus(steps, taken + by_kind[COMPUTE])
-    named = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] != STEP and e["tid"] == main]
+    named = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in ranges
+             if e["name"] != STEP and e["tid"] == main and not kind_of(e["name"])]  # nccl:... ranges launch, not phases
     # The step's own phases, not the annotations libraries put inside them (DistributedDataParallel.forward, ...).
     phases = sorted(p for p in named if not any(q is not p and q[1] <= p[1] and p[2] <= q[2] for q in named))
     # Each collective of the steps, by kind and the phase it began in: how many each caller ran, and when.
@@ -157,30 +161,39 @@ def _dims(event: dict):
     return tuple(dims[0]) if isinstance(dims, list) and dims and isinstance(dims[0], list) else None
 
 
-def _all_reduce_callers(transfers: list[dict], spans: list[dict], main) -> dict[int, str]:
-    """``SHARD_ALL_REDUCE`` or ``DDP_ALL_REDUCE`` for each all-reduce's transfer (by ``id``): the main thread's
-    ``c10d::allreduce_`` that handed it over, inside a functional collective (ShardTensor's) or not (DDP's).
+def _all_reduce_callers(transfers: list[dict], spans: list[dict]) -> dict[int, str]:
+    """``SHARD_ALL_REDUCE`` or ``DDP_ALL_REDUCE`` for each all-reduce's transfer (by ``id``): the host's
+    ``c10d::allreduce_`` that handed it over, inside a functional collective (ShardTensor's) or not (DDP's), on the
+    same host thread. Any host thread, not only the one that ran the step: on a GPU rank the backward, and the
+    all-reduces its hooks start, run on the autograd engine's thread for that device (torch 2.14.1's
+    ``torch/csrc/autograd/engine.h``, ``thread_init``, line 213, and ``start_device_threads``, lines 235-237: "device
+    threads (CUDA, XLA, etc.) ... NOT the CPU thread"); on CPU ranks the backward runs on the calling thread.
 
-    A GPU kernel names the host op that launched it (its "External id"). A gloo worker's event names nothing: it is
-    the oldest handover not yet matched that began before it, of the same shape when shapes were recorded (each
-    group's queue runs in order; a shape tells apart a parameter's gradient from a DDP bucket, whose queues run side
-    by side)."""
-    functional = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == main
-                  and e["name"].startswith(FUNCTIONAL) and "all_reduce" in e["name"]]
-    caller = lambda t: SHARD_ALL_REDUCE if any(a <= t <= b for a, b in functional) else DDP_ALL_REDUCE  # noqa: E731
-    by_id = {e["args"]["External id"]: e for e in spans if e["tid"] == main and "External id" in e.get("args", {})}
-    handovers = sorted((e for e in spans if e["tid"] == main and e["name"] == ENQUEUE), key=lambda e: e["ts"])
+    A GPU kernel names the host op that launched it (its "External id", Kineto's ``linkedActivity``,
+    ``kineto/ITraceActivity.h`` line 47). A gloo worker's event names nothing: it is the oldest handover not yet
+    matched that began before it, of the same shape when shapes were recorded (each group's queue runs in order; a
+    shape tells apart a parameter's gradient from a DDP bucket, whose queues run side by side)."""
+    host = [e for e in spans if e.get("cat") not in (*GPU_KERNELS, "gpu_user_annotation")]
+    functional = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in host
+                  if e["name"].startswith(FUNCTIONAL) and "all_reduce" in e["name"]]
+
+    def caller(launch: dict) -> str:
+        inside = any(tid == launch["tid"] and a <= launch["ts"] <= b for tid, a, b in functional)
+        return SHARD_ALL_REDUCE if inside else DDP_ALL_REDUCE
+
+    by_id = {e["args"]["External id"]: e for e in host if "External id" in e.get("args", {})}
+    handovers = sorted((e for e in host if e["name"] == ENQUEUE), key=lambda e: e["ts"])
     found, used = {}, set()
     for t in sorted(transfers, key=lambda e: e["ts"]):
         launched = by_id.get(t.get("args", {}).get("External id")) if t.get("cat") in GPU_KERNELS else None
         if launched is not None:
-            found[id(t)] = caller(launched["ts"])
+            found[id(t)] = caller(launched)
             continue
         before = [h for h in handovers if id(h) not in used and h["ts"] <= t["ts"]]
         same = [h for h in before if _dims(h) is not None and _dims(h) == _dims(t)]
         if chosen := (same or before or [None])[0]:
             used.add(id(chosen))
-            found[id(t)] = caller(chosen["ts"])
+            found[id(t)] = caller(chosen)
     return found
 
 

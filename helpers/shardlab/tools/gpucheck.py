@@ -3,15 +3,18 @@
 CPU ranks rehearse the program; this runs, on the GPUs this machine has, what they cannot show. Which rows a
 GPU count can run is ``plan(gpus)`` (``--plan N`` prints it for N GPUs without running anything):
 
-- with 2+ GPUs: the smoke test under torchrun with NCCL, one rank per GPU, every check; every notebook on CUDA
-  engines (from a checkout of the repository: the notebooks are not part of the package); a collective that one
-  rank skips ending in an error within ``timeout_s``;
+- with 2+ GPUs: the smoke test under torchrun with NCCL, one rank per GPU, every check; a collective that one
+  rank skips ending in an error within ``timeout_s``; lessons 12-14's rows (``gpu_lessons``: the loading-memory
+  table, a two-step timeline, a Flight Recorder diff with one rank held back, Transolver's parity); then each
+  notebook on CUDA engines, a row each (from a checkout of the repository: the notebooks are not part of the
+  package), its budget from its own time on CPU ranks in docs/timings.md (``notebook_rows``);
 - with 1+ GPU: the memory tables with the CUDA allocator's peak per rank beside the byte model, the planner's
   prediction against ``max_memory_allocated``, eager vs compiled step time and the TF32 error, on as many CUDA
   ranks as the count allows (one GPU: one CUDA rank, ``devices.place_ranks``).
 
-Each row has its own time budget, says on what it really ran (a row that ran on CPU ranks fails), and is judged;
-the JSON file is rewritten after every row. Committed as ``data/gpu-check.json``, a run is what ``sl.gpu_status()``
+Each row has its own time budget, passed to what it starts, and is stopped ``OVERRUN_S`` past it at the latest; it
+says on what it really ran (a row that ran on CPU ranks fails), and is judged; the JSON file is rewritten after
+every row. Committed as ``data/gpu-check.json``, a run is what ``sl.gpu_status()``
 reports (``gpu_record``). The whole run has a deadline (``--deadline-s``): a row whose budget no
 longer fits is reported as not run, one still running at the deadline is stopped. Stopped by the deadline, SIGTERM
 or SIGINT, it stops every process it started. Where the node has GPUs that CUDA cannot use (a driver older than the
@@ -37,7 +40,9 @@ from ..ranks.devices import place_ranks, unusable_gpus, visible_gpus
 from ..ranks.launch import clean_environment, run_job
 from ..ranks.px import rank_errors, summarize_rank_errors
 from ..report import Table
+from . import gpu_lessons
 from .smoke import run_smoke
+from .time_model import TimeModelError, measured_run_s
 
 CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/gpucheck.py in a checkout of the repository
 COLLECTIVE_TIMEOUT_S = 10
@@ -59,6 +64,14 @@ STRICT_FP32_ERROR = 1e-5
 # Compiled and eager steps both run TF32 convolutions, not necessarily the same kernels: ~1e-3 apart at most.
 COMPILED_VS_EAGER_ERROR = 1e-2
 NO_TIME = "no time left"
+# A row's own budget is passed to what it starts (a job's or a cluster's time-out), which stops it first; past the
+# budget by this much more, gpu-check stops the row itself, with every process it started.
+OVERRUN_S = 30
+# A notebook's row: this much per start of ranks in it (a cluster, a restart, a job: fresh CUDA ranks, their imports,
+# CUDA contexts and NCCL communicators), plus NOTEBOOK_MARGIN times what the notebook took on CPU ranks in the last
+# `make test` (docs/timings.md: with its exercises' wrong answers rehearsed too, which `pytest --nbmake` does not do).
+CLUSTER_START_S = 90
+NOTEBOOK_MARGIN = 2
 
 
 class Stopped(BaseException):
@@ -93,10 +106,10 @@ def plan(gpus: int) -> list[dict]:
         return place_ranks(ranks, gpus).label if gpus >= needs else f"needs {needs}+ GPU{'s' if needs > 1 else ''}"
 
     even = max(gpus - gpus % 2, 2)  # the lessons' meshes have domain groups of 2: 3 GPUs run notebooks on 2
+    loading_sizes = [n for n in sizes if n > 1] or [2]
+    parity_tolerance = gpu_lessons.parity.TOLERANCE
     rows = [
         ("smoke", "smoke under torchrun, NCCL, one rank per GPU, every check", max(gpus, 2), 2, 240),
-        ("notebooks", "every notebook on CUDA engines, one per GPU, an even number of them (from the checkout)",
-         even, 2, 1200),
         ("skipped-collective", f"a collective rank 1 skips ends in an error within {COLLECTIVE_TIMEOUT_S} s, "
                                "naming rank 1", 2, 2, 240),
         ("activation-memory", f"activation memory per rank: CUDA peak beside saved bytes, N in {sizes}", max(sizes),
@@ -115,9 +128,48 @@ def plan(gpus: int) -> list[dict]:
                           "and the compile time, synchronised", 1, 1, 300),
         ("tf32-error", f"TF32 error of a conv stack vs fp64 below {TF32_ERROR:g}, and below {STRICT_FP32_ERROR:g} "
                        "inside strict_fp32", 1, 1, 120),
+        ("loading-memory", f"lesson 12: one sample loaded as ShardTensors by slab and by scatter_tensor, N in "
+                           f"{loading_sizes}: slab holds 1/N of the fields per rank, beside the CUDA allocator's peak",
+         max(loading_sizes), 2, 240),
+        ("timeline", "lesson 14: two profiled steps of its U-Net on every rank: NCCL's kernels on the GPU streams, "
+                     "shares summing to 1, the halo exchange, ShardTensor's and DDP's all-reduces", even, 2, 240),
+        ("flight-record", f"lesson 14: the last of {even} ranks held back from an all-reduce; NCCL's Flight Recorder "
+                          "on every rank names it as the one the others wait for", even, 2, 180),
+        ("transolver-parity", f"lesson 13: Transolver on {max(gpus, 2)} ranks against one process, float64, output and "
+                              f"every gradient within {parity_tolerance:g}, even and uneven split", max(gpus, 2), 2,
+         300),
+        *[(f"notebook {name}", f"notebooks/{name}.ipynb on CUDA engines, an even number of them (from the "
+                               f"checkout){said}", even, 2, budget)
+          for name, (budget, said) in notebook_rows().items()],
     ]
     return [{"name": name, "check": check, "on": on(ranks, needs), "ranks": ranks, "needs": needs,
              "budget_s": budget, "runs": gpus >= needs} for name, check, ranks, needs, budget in rows]
+
+
+def notebook_rows() -> dict[str, tuple[int, str]]:
+    """Each notebook of the checkout: its row's budget, from its own time on CPU ranks in docs/timings.md and the
+    clusters it starts (``CLUSTER_START_S``, ``NOTEBOOK_MARGIN``), and what the row says of it. Outside a checkout,
+    one row that says so when it runs."""
+    folder, timings = CHECKOUT / "notebooks", CHECKOUT / "docs" / "timings.md"
+    if not folder.is_dir():
+        return {"(none)": (60, ": not in a checkout")}
+    try:
+        measured = measured_run_s(timings.read_text())
+    except (OSError, TimeModelError):
+        measured = {}
+    longest = max(measured.values(), default=600.0)
+    rows = {}
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join(line.split("#")[0] for c in cells if c["cell_type"] == "code"
+                         for line in "".join(c["source"]).splitlines())
+        starts = max(sum(code.count(call) for call in ("start_cluster(", ".restart()", "run_job(")), 1)
+        seconds = measured.get(path.stem)
+        budget = round(starts * CLUSTER_START_S + NOTEBOOK_MARGIN * (seconds or longest))
+        said = (f": {starts} start(s) of ranks, {seconds:.0f} s on CPU ranks" if seconds else
+                ": no time of it in docs/timings.md, the longest notebook's used")
+        rows[path.stem] = (budget, said)
+    return rows
 
 
 def checkout_notebooks() -> Path:
@@ -149,14 +201,22 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
         devices = sorted({r["device"].split(":")[0] for r in report["ranks"]})
         return (f"{report['world_size']} ranks, backend {backends}, devices {devices}, mesh {report['mesh']}",
                 report["ok"] and backends == ["nccl"] and devices == ["cuda"])
-    if name == "notebooks":
-        notebooks = sorted(map(str, checkout_notebooks().glob("*.ipynb")))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=600",
-               "-o", "addopts=", *notebooks]
+    if name.startswith("notebook "):
+        notebook = checkout_notebooks() / f"{name.removeprefix('notebook ')}.ipynb"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
+               f"--nbmake-timeout={budget}", "-o", "addopts=", str(notebook)]
         env = clean_environment(SHARDLAB_RANKS=str(row["ranks"]))
-        proc = procs.run_process_group(cmd, env, budget, "pytest --nbmake notebooks/")
+        proc = procs.run_process_group(cmd, env, budget, f"pytest --nbmake {notebook.name}")
         summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-        return f"{len(notebooks)} notebooks from {checkout_notebooks()}: {summary}", proc.returncode == 0
+        return f"{notebook.name} on {row['on']}: {summary}", proc.returncode == 0
+    if name == "loading-memory":
+        return gpu_lessons.run_loading_memory(row["ranks"], [n for n in sizes if n > 1] or [2], budget)
+    if name == "timeline":
+        return gpu_lessons.run_timeline(row["ranks"], budget)
+    if name == "flight-record":
+        return gpu_lessons.run_flight_record(row["ranks"], COLLECTIVE_TIMEOUT_S, budget)
+    if name == "transolver-parity":
+        return gpu_lessons.run_transolver_parity(row["ranks"], budget)
     if name == "skipped-collective":
         return skipped_collective(budget)
     if name in ("activation-memory", "state-memory"):
@@ -232,7 +292,8 @@ def checks(gpus: int, json_file: Path | None = None, deadline_s: float | None = 
                 row |= {"status": NO_TIME, "result": f"not run: its {planned['budget_s']} s budget does not fit in the "
                                                      f"{max(ends - t0, 0):.0f} s left of --deadline-s {deadline_s:g}"}
             else:
-                signal.setitimer(signal.ITIMER_REAL, ends - t0)
+                bound = planned["budget_s"] + OVERRUN_S
+                signal.setitimer(signal.ITIMER_REAL, min(bound, ends - t0))
                 try:
                     result, ok = run_row(planned, gpus)
                     row |= {"status": "passed" if ok else "FAILED", "result": result}
@@ -241,8 +302,12 @@ def checks(gpus: int, json_file: Path | None = None, deadline_s: float | None = 
                 except Stopped as stopped:
                     if stopped.signum != signal.SIGALRM:
                         raise
-                    row |= {"status": "FAILED", "result": f"stopped at --deadline-s {deadline_s:g}, past its own "
-                                                          f"{planned['budget_s']} s budget"}
+                    past_own = time.monotonic() - t0 >= bound - 1
+                    row |= {"status": "FAILED", "result": (
+                        f"stopped {OVERRUN_S} s past its own {planned['budget_s']} s budget, with what it started"
+                        if past_own and bound <= ends - t0 else
+                        f"stopped at --deadline-s {deadline_s:g}, before the end of its own "
+                        f"{planned['budget_s']} s budget")}
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
             rows.append(row | {"seconds": round(time.monotonic() - t0, 1)})
