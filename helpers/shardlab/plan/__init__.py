@@ -50,13 +50,20 @@ autocast lowers and caching each weight's copy; FSDP2's ``param_dtype`` makes th
 unsharded gradients that dtype (the input cast at the root), while the shards, their gradients and the optimizer
 state stay in the planned dtype.
 
+**Any other model** (points, several inputs, ShardTensor operations that need a process group): ``Planner(case,
+size)`` with a parity case (``sl.parity.Case``, ``sl.model_cases``) is a ``cases.CasePlanner``. It measures one
+training step on ranks at two small sizes and extrapolates the step's excess over the state per element of the split
+inputs; every row says which method planned it (``METHODS``).
+
 Modules: ``inputs`` (fields, sizes, GPUs, the model), ``trace`` (the replay on the meta device), ``workspace`` (what
-this CPU's convolution kernels hold, measured), ``records`` (what a
+this CPU's convolution kernels, or cuDNN on this machine's GPU, hold, measured), ``cases`` and ``calibrate`` (a
+parity case, planned from what the ranks measured), ``records`` (what a
 plan says: ``RankBytes``, ``Plan``, the headroom), ``planner`` (the planner and its verdict), ``search`` (the domain
 sizes that work, and the smallest that fits), ``live`` (measured on ranks, compared), ``cli`` (``python -m
 shardlab.plan``).
 """
 
+from .cases import CasePlanner
 from .cli import main
 from .inputs import DTYPES, GPUS, LOADINGS, OPTIMIZERS, GiB, MiB, conv_model, fmt_bytes, parse_field, parse_size
 from .live import (
@@ -72,10 +79,11 @@ from .live import (
     series_cases,
 )
 from .planner import Planner, Verdict, plan, verdict
-from .records import ACCOUNTED, BUFFERS, CATEGORIES, LEFT_OUT, Plan, RankBytes, headroom
+from .records import ACCOUNTED, BUFFERS, CATEGORIES, LEFT_OUT, METHODS, Plan, RankBytes, headroom
 from .trace import conv_halo
 
-__all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "LOADINGS", "OPTIMIZERS", "GiB", "MiB",
-           "Plan", "Planner", "RankBytes", "Verdict", "compare", "comparison_table", "conv_halo", "conv_model",
-           "fmt_bytes", "gpu_check", "headroom", "main", "measure_cases", "measure_on_ranks", "measure_rank",
-           "parse_field", "parse_size", "peak_cases", "peak_table", "plan", "predict_case", "series_cases", "verdict"]
+__all__ = ["ACCOUNTED", "BUFFERS", "CATEGORIES", "DTYPES", "GPUS", "LEFT_OUT", "LOADINGS", "METHODS", "OPTIMIZERS",
+           "GiB", "MiB", "CasePlanner", "Plan", "Planner", "RankBytes", "Verdict", "compare", "comparison_table",
+           "conv_halo", "conv_model", "fmt_bytes", "gpu_check", "headroom", "main", "measure_cases",
+           "measure_on_ranks", "measure_rank", "parse_field", "parse_size", "peak_cases", "peak_table", "plan",
+           "predict_case", "series_cases", "verdict"]

@@ -20,16 +20,18 @@ from .records import LEFT_OUT, Plan
 
 
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:
-    print(f"# memory plan: {result.model} on a {'x'.join(map(str, result.field_shape[2:]))} field "
-          f"({result.field_shape[1]} channel(s), batch {result.field_shape[0]} per domain group), {result.dtype}; "
+    what = (f"at size {result.field_shape[2]} (planned by: {result.method})" if result.method != "meta replay" else
+            f"on a {'x'.join(map(str, result.field_shape[2:]))} field ({result.field_shape[1]} channel(s), batch "
+            f"{result.field_shape[0]} per domain group)")
+    print(f"# memory plan: {result.model} {what}, {result.dtype}; "
           f"mesh (ddp={result.ddp}, domain={result.domain}), {result.wrapper}, {result.optimizer}; loading: "
           f"{result.loading} ({LOADINGS[result.loading]}); levers: {result.levers}")
     print(result.table())
     for note in result.notes:
         print(f"# {note}")
     big = result.largest()
-    print(f"# largest rank: {big.rank}, {fmt_bytes(big.total)} (replayed step peak {fmt_bytes(big.peak)}); "
-          f"planned in {result.seconds:.2f} s on the meta device")
+    print(f"# largest rank: {big.rank}, {fmt_bytes(big.total)} (step peak {fmt_bytes(big.peak)}); planned in "
+          f"{result.seconds:.2f} s ({result.method})")
     print("# left out (headroom the verdict keeps):")
     for item in LEFT_OUT:
         size = (f"{item['fraction']:.0%} of the need" if "fraction" in item
@@ -41,6 +43,31 @@ def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str |
     print(f"verdict on {capacity / GiB:.1f} GiB GPUs (--gpu {gpu}): {v.text} (need {fmt_bytes(v.need)} + headroom "
           f"{fmt_bytes(v.headroom)})")
     return v
+
+
+def _case_planner(args) -> Planner:
+    """``--case module:name --size N``: the case planned from its ranks' measurements (``--calibration``)."""
+    import importlib
+
+    from .cases import is_case
+
+    module, _, name = args.case.partition(":")
+    try:
+        case = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        case = None
+    if not is_case(case):
+        raise ValueError(f"--case {args.case}: give a parity case as module:name, e.g. "
+                         "shardlab.model_cases:transolver (sl.parity.Case).")
+    if args.size is None or args.size < 1:
+        raise ValueError("--case needs --size N: the target size (points, or rows of a field), e.g. --size 1000000.")
+    stored = Path(args.calibration) if args.calibration else None
+    calibration = json.loads(stored.read_text()) if stored and stored.exists() else None
+    planner = Planner(case, args.size, DTYPES[args.dtype], args.optimizer, loading=args.loading,
+                      ranks=args.ranks or 2, calibration=calibration)
+    if stored and calibration is None:
+        stored.write_text(json.dumps(planner.calibration(), indent=1))
+    return planner
 
 
 def _check_writable(path: str) -> None:
@@ -64,6 +91,12 @@ def main(argv=None) -> int:
                         + ", ".join(GPUS))
     parser.add_argument("--model", choices=["conv_stack"], default="conv_stack",
                         help="conv_stack: the series' surrogate (Conv3d for a 3-D field)")
+    parser.add_argument("--case", help="any model, as a parity case 'module:name' (e.g. "
+                        "shardlab.model_cases:transolver): measured on --ranks ranks at two small sizes and "
+                        "extrapolated to --size")
+    parser.add_argument("--size", type=int, help="with --case: the target size (points, or rows of a field)")
+    parser.add_argument("--calibration", help="with --case: a JSON file of the ranks' measurements: read when it "
+                        "exists, else measured and written there")
     parser.add_argument("--channels", type=int, default=16, help="hidden channels (conv_stack width)")
     parser.add_argument("--depth", type=int, default=3, help="convolution layers")
     parser.add_argument("--kernel-size", type=int, default=3, help="an odd kernel size: 3, 5, 7, ...")
@@ -86,21 +119,22 @@ def main(argv=None) -> int:
                              "levers) on --ranks ranks: predicted vs the allocator's, per configuration; with "
                              "--measure, both in one job")
     parser.add_argument("--cases", help="with --measure: a JSON file of cases instead of the series' own")
-    parser.add_argument("--ranks", type=int, default=4, help="with --measure: ranks to start")
+    parser.add_argument("--ranks", type=int, help="ranks to start: with --measure (default 4), with --case (default 2)")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     if args.measure or args.measure_peaks:
+        args.ranks = args.ranks or 4
         return _measure_main(args)
 
     try:
         if args.json:
             _check_writable(args.json)
-        field_shape = parse_field(args.field)
         capacity = parse_size(args.gpu) if args.gpu else None
-        model = conv_model(len(field_shape) - 2, args.channels, args.depth, args.kernel_size)
-        planner = Planner(model, field_shape, DTYPES[args.dtype], args.optimizer,
-                          name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})",
-                          loading=args.loading)
+        planner = _case_planner(args) if args.case else Planner(
+            conv_model(len(parse_field(args.field)) - 2, args.channels, args.depth, args.kernel_size),
+            parse_field(args.field), DTYPES[args.dtype], args.optimizer,
+            name=f"conv_stack(width={args.channels}, depth={args.depth}, kernel={args.kernel_size})",
+            loading=args.loading)
         levers = Levers(args.checkpoint, args.autocast and DTYPES[args.autocast],
                         args.param_dtype and DTYPES[args.param_dtype], not args.no_reshard_after_forward)
         result = planner.plan(args.ddp, args.domain, args.wrapper, levers)

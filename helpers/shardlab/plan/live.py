@@ -3,7 +3,6 @@ GPU: also the allocator's peak), and the series' own cases predicted against mea
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 import weakref
@@ -19,8 +18,9 @@ from ..models import conv_stack
 from ..ranks.launch import init_distributed, run_job
 from .inputs import DTYPES, fmt_bytes
 from .planner import plan
-from .records import ACCOUNTED, CUDNN_PINNED, Plan, RankBytes
+from .records import ACCOUNTED, Plan, RankBytes
 from .trace import nbytes
+from .workspace import pinned_cudnn
 
 # PhysicsNeMo and the measure layer are imported inside the functions that measure on ranks: planning runs in the
 # notebook kernel and on a laptop, where their imports (seconds) buy nothing.
@@ -78,21 +78,6 @@ class _GatheredParameters(TorchDispatchMode):
         alive = [ref() for ref in self._storages.values()]
         self.most = max(self.most, sum(s.nbytes() for s in alive if s is not None))
         return out
-
-
-@contextlib.contextmanager
-def pinned_cudnn():
-    """Inside ``with``: cuDNN's convolution engines chosen as ``records.CUDNN_PINNED`` says (benchmark off,
-    deterministic engines only), each setting restored on exit. The flags exist without a GPU (no effect on CPU)."""
-    cudnn = torch.backends.cudnn
-    saved = {name: getattr(cudnn, name) for name in CUDNN_PINNED}
-    try:
-        for name, value in CUDNN_PINNED.items():
-            setattr(cudnn, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(cudnn, name, value)
 
 
 def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, levers: Levers = NO_LEVERS

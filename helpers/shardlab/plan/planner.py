@@ -27,9 +27,14 @@ from .trace import (
     optimizer_state,
     trace_rank,
 )
-from .workspace import CPUWorkspace
+from .workspace import CPUWorkspace, CUDAWorkspace
 
 SLAB_OPTION = 'loading="slab" (--loading slab)'  # how a message names slab loading, in Python and on the command line
+
+
+def gpu_visible() -> bool:
+    """Whether this process can run a CUDA kernel: where a plan for GPUs measures cuDNN's workspaces."""
+    return torch.cuda.is_available()
 
 
 @dataclass
@@ -50,7 +55,15 @@ class Planner(DomainSearch):
     """Plans for one model, field, dtype, optimizer and ``loading`` (``"scatter"``: ``scatter_tensor`` sends the
     whole field to every rank of a domain group; ``"slab"``: each rank reads only its own rows), over any layouts and
     levers (``plan(..., levers=)``); traces are cached per distinct rank shape and lever set. The domain sizes are
-    searched in ``DomainSearch``."""
+    searched in ``DomainSearch``. Given a parity case (``sl.parity.Case``) and a size instead of a model and a field,
+    it is a ``cases.CasePlanner``: the case measured on ranks at two small sizes and extrapolated."""
+
+    def __new__(cls, model=None, *args, **kwargs):
+        from .cases import CasePlanner, is_case
+
+        if cls is Planner and is_case(model):
+            return super().__new__(CasePlanner)
+        return super().__new__(cls)
 
     def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
                  name: str | None = None, device: str = "cuda", threads: int | None = None, loading: str = "scatter"):
@@ -66,9 +79,11 @@ class Planner(DomainSearch):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device={device!r}: plan for 'cuda' (the GPUs it is for) or 'cpu' (CPU ranks, with the "
                              "CPU convolutions' workspaces).")
-        # CPU ranks: what this CPU's convolution kernels hold, measured with the ranks' ``threads``; on GPUs the
-        # cuDNN workspaces are in the verdict's 10 % headroom.
-        self.workspace = CPUWorkspace(threads) if device == "cpu" else None
+        # CPU ranks: what this CPU's convolution kernels hold, measured with the ranks' ``threads``. GPUs: the
+        # workspace of the engine cuDNN selects, measured on this machine's GPU where one is visible; else it stays
+        # in the verdict's 10 % headroom.
+        self.workspace = CPUWorkspace(threads) if device == "cpu" else (
+            CUDAWorkspace() if gpu_visible() else None)
         self.name = name or type(model).__name__
         if any(p.device.type != "meta" for p in model.parameters()):
             model = copy.deepcopy(model).to("meta")
@@ -90,9 +105,10 @@ class Planner(DomainSearch):
                 probe = self.model(torch.empty(self.field_shape, dtype=dtype, device="meta"))
         except (RuntimeError, ValueError, TypeError) as error:  # a model of something else than one field
             raise ValueError(f"the model cannot run on a field of shape {self.field_shape}: "
-                             f"{str(error).splitlines()[0]}. The planner plans models of one field (N, C, *spatial) "
-                             "split along a spatial dim; a model of points and their coordinates (Transolver, "
-                             "notebook 13) is measured on the ranks instead.") from None
+                             f"{str(error).splitlines()[0]}. A module is planned as a model of one field "
+                             "(N, C, *spatial) split along a spatial dim; any other model (points and their "
+                             "coordinates, several inputs: Transolver) is planned from its parity case and a size: "
+                             "sl.plan.Planner(sl.model_cases.transolver, 10**6).") from None
         if tuple(probe.shape[2:]) != self.field_shape[2:]:
             raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles "
                              "field-to-field models that keep the spatial size.")
@@ -228,7 +244,7 @@ class Planner(DomainSearch):
         state = self._state(wrapper, ddp, index, levers)
         trace = self._trace(domain, position, slices[position], levers)
         row = RankBytes(rank, state.params, state.grads, state.optimizer, trace.activations, trace.halos,
-                        transient if domain > 1 else 0, state.buffers, rows=slices[position])
+                        transient if domain > 1 else 0, state.buffers, rows=slices[position], method="meta replay")
         row.peak = state.device_bytes + max(trace.forward_peak + state.gathered_forward,
                                             trace.backward_peak + state.gathered_backward, trace.after + state.scratch)
         row.temporaries = max(0, row.peak - row.accounted)
@@ -262,7 +278,7 @@ class Planner(DomainSearch):
                          "the next unit in backward, and overlaps each copy-out with the previous all-gather in "
                          "forward)")
         if self.workspace is not None:
-            notes.append(f"CPU kernels: {self.workspace.summary()}")
+            notes.append(f"{self.workspace.label}: {self.workspace.summary()}")
         if domain > 1:
             notes.append(self._loading_note())
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
@@ -341,8 +357,10 @@ def verdict(planner: Planner, result: Plan, capacity: int) -> Verdict:
         return answer
     top = planner.largest(result.ddp, planner.max_domain(), result.wrapper, result.levers)
     fixed = top.params + top.grads + top.optimizer + top.buffers
-    answer.text = (f"does not fit at any domain size ({mode}): with {planner.max_domain()} domain ranks a rank still "
-                   f"needs {fmt_bytes(top.total)}, of which ")
+    smallest_gpu = top.total + headroom(top.total, result.ddp * planner.max_domain())
+    answer.text = (f"does not fit at any domain size ({mode}); the smallest layout that would: {planner.max_domain()} "
+                   f"domain ranks on GPUs of {fmt_bytes(smallest_gpu)}. With {planner.max_domain()} domain ranks a "
+                   f"rank still needs {fmt_bytes(top.total)}, of which ")
     if result.loading == "slab":
         answer.text += (f"{fmt_bytes(top.activations)} activations (its rows and their halos) and {fmt_bytes(fixed)} "
                         "parameters, gradients and optimizer state (checkpointing and bf16 shrink the first, FSDP2 "

@@ -9,21 +9,26 @@ from ..levers import NO_LEVERS, Levers
 from ..report import Table
 from .inputs import GiB, fmt_bytes
 
+# How a plan's rows were found: the conv planner replays a step on the meta device (``trace``); a parity case, whose
+# ShardTensor operations need a process group, is measured at two small sizes on ranks and extrapolated (``cases``).
+METHODS = {"meta replay": "one training step replayed on the meta device, on each rank's slice",
+           "measured ×2, extrapolated": "one training step measured on ranks at two small sizes, per element"}
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "buffers", "temporaries")
 ACCOUNTED = ("params", "grads", "optimizer", "activations", "transient", "buffers")  # what CPU ranks measure exactly
 # What "buffers" holds, per wrapper. FSDP2 keeps two units' all-gathers at once: it prefetches the next unit's in
 # backward by default, and in forward keeps the previous unit's flat output until the next copy-out.
 BUFFERS = {"none": "buffers", "ddp": "DDP buckets", "fsdp2": "FSDP2 gathered, 2 units"}
 
-# How cuDNN chooses convolution engines where the planner's peak is checked against the allocator's (set, and restored
-# after, by ``plan.live.pinned_cudnn`` around every ``measure_rank``). benchmark=False: the engine cuDNN's heuristics
-# rank first for the shapes, and no find step (which allocates the largest candidate workspace that fits the largest
-# free cached block: a spike that depends on what the cache holds). deterministic=True: no engine cuDNN marks
-# non-deterministic (Conv_v8.cpp's filterEngineConfigs), so results, like bytes, repeat from run to run. enabled=True:
-# cuDNN, not torch's own CUDA convolutions, whose im2col columns are a workspace of the field's size. Not
-# CUDNN_CONV_WSCAP_DBG: torch 2.14 never reads it (not in its sources nor in libtorch_cuda.so; its documentation lists
-# it as cuDNN's own), which of cuDNN 9's paths it caps cannot be read from its libraries, and it is an environment
-# variable of the library, not a setting one case can set and restore.
+# How cuDNN chooses convolution engines where the planner's peak is checked against the allocator's and where it
+# measures a workspace (set, and restored after, by ``plan.workspace.pinned_cudnn``, around every ``measure_rank`` and
+# every ``CUDAWorkspace`` run). benchmark=False: the engine cuDNN's heuristics rank first for the shapes, and no find
+# step (which allocates the largest candidate workspace that fits the largest free cached block: a spike that depends
+# on what the cache holds). deterministic=True: no engine cuDNN marks non-deterministic (Conv_v8.cpp's
+# filterEngineConfigs), so results, like bytes, repeat from run to run. enabled=True: cuDNN, not torch's own CUDA
+# convolutions, whose im2col columns are a workspace of the field's size. Not CUDNN_CONV_WSCAP_DBG: torch 2.14 never
+# reads it (not in its sources nor in libtorch_cuda.so; its documentation lists it as cuDNN's own), which of cuDNN 9's
+# paths it caps cannot be read from its libraries, and it is an environment variable of the library, not a setting one
+# case can set and restore.
 CUDNN_PINNED = {"enabled": True, "benchmark": False, "deterministic": True}
 TORCH_SOURCE = "https://github.com/pytorch/pytorch/blob/5c4886908584029761b579af026dcfb627c84070"  # 2.14.1
 
@@ -46,10 +51,11 @@ LEFT_OUT = (
                "https://github.com/pytorch/devlogs/blob/main/content/eager/2026-06-01-cuda-caching-allocator.md"},
     {"what": "cuDNN convolution workspaces", "bytes": 0,
      "typical": "the workspace of the engine cuDNN's heuristics pick for each convolution's shapes, allocated for "
-                "the call: inside max_memory_allocated when a convolution runs at the step's peak, in the 10 % above "
-                "(the meta device runs no engine). With cudnn.benchmark=True the first call of each shape also "
-                "allocates the largest candidate's workspace that fits the largest free cached block, to time them; "
-                "where the planner's peak is measured (plan.live.measure_rank) cuDNN is pinned to "
+                "the call: inside max_memory_allocated when a convolution runs at the step's peak. In the plan, "
+                "measured on the GPU, when it is made where a GPU is visible (plan.workspace.CUDAWorkspace); in the "
+                "10 % above otherwise (the meta device runs no engine). With cudnn.benchmark=True the first call of "
+                "each shape also allocates the largest candidate's workspace that fits the largest free cached block, "
+                "to time them; where the planner's peak is measured (plan.live.measure_rank) cuDNN is pinned to "
                 + ", ".join(f"{k}={v}" for k, v in CUDNN_PINNED.items()) + " and restored after",
      "source": f"{TORCH_SOURCE}/aten/src/ATen/native/cudnn/Conv_v8.cpp (run_conv_plan; with benchmark: "
                "generate_and_filter_plans)"},
@@ -87,6 +93,7 @@ class RankBytes:
     temporaries: int = 0  # predicted: the rest of the step's peak
     peak: int | None = None  # predicted: the step's peak; measured: the allocator's (CPU: profiler events; GPU: CUDA)
     rows: int | None = None  # rows of the sharded dim this rank holds
+    method: str | None = None  # predicted: how (``METHODS``); measured: None
 
     @property
     def accounted(self) -> int:
@@ -121,6 +128,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     levers: Levers = NO_LEVERS
     loading: str = "scatter"  # how each rank got its batch: ``inputs.LOADINGS``
+    method: str = "meta replay"  # how its rows were planned: ``METHODS``
 
     @property
     def world_size(self) -> int:
@@ -158,12 +166,13 @@ class Plan:
         names = [BUFFERS[self.wrapper] if c == "buffers" else c for c in columns]
         return Table([{"ranks": label.removeprefix("ranks ").removeprefix("rank ")}
                       | {name: fmt_bytes(getattr(row, c)) for name, c in zip(names, columns)}
-                      for label, row in self.groups()], ["ranks", *names])
+                      | {"method": row.method or self.method}
+                      for label, row in self.groups()], ["ranks", *names, "method"])
 
     def as_json(self, capacity: int | None = None) -> dict:
         out = {"model": self.model, "field": list(self.field_shape), "dtype": self.dtype,
                "mesh": {"ddp": self.ddp, "domain": self.domain}, "wrapper": self.wrapper, "optimizer": self.optimizer,
-               "levers": self.levers.label, "loading": self.loading,
+               "levers": self.levers.label, "loading": self.loading, "method": self.method,
                "rows": [r.as_dict() for r in self.rows], "left_out": [dict(item) for item in LEFT_OUT],
                "notes": list(self.notes)}
         if capacity is not None:

@@ -13,22 +13,48 @@ spatial dim it has more of (every combination: 4 runs in 2-D, 8 in 3-D), all of 
 its workspace is extrapolated multilinearly. That is exact for every buffer whose size is a product of some of the
 extents: whole copies (all of them), per-row or per-plane buffers (some), per-thread scratch (none);
 ``tests/unit/test_workspace.py`` checks it against kernels run at full size.
+
+On CUDA (``CUDAWorkspace``, a plan for ``device="cuda"`` made where a GPU is visible) a convolution runs in cuDNN,
+which allocates the workspace of the engine it selects through the caching allocator for the call (``run_conv_plan``
+in ATen's ``native/cudnn/Conv_v8.cpp``: ``records.CUDNN_PINNED``'s source), so ``max_memory_allocated`` counts it. It
+is measured the same way, on the GPU, with cuDNN pinned as the live check pins it (benchmark off: the engine cuDNN's
+heuristics rank first, no find step; deterministic engines only): the allocator's peak during the call above what was
+allocated before it, less the call's outputs (``torch/cuda/memory.py:525`` and ``:542`` in torch 2.14.1, both read
+from ``memory_stats``). Where no GPU is visible it stays in the verdict's 10 % headroom (``records.LEFT_OUT``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..workarounds import cpu_allocator_changes
+from .records import CUDNN_PINNED
 
 CONVOLUTION = torch.ops.aten.convolution.default
 CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 RUN_POSITIONS = 4096  # a larger kernel is run at about this many output positions (the smallest of its runs)
 MIN_EXTENT = 16  # nor shorter than this along any dim: oneDNN blocks rows and may take another path for very few
+
+
+@contextlib.contextmanager
+def pinned_cudnn():
+    """Inside ``with``: cuDNN's convolution engines chosen as ``records.CUDNN_PINNED`` says (benchmark off,
+    deterministic engines only), each setting restored on exit. The flags exist without a GPU (no effect on CPU)."""
+    cudnn = torch.backends.cudnn
+    saved = {name: getattr(cudnn, name) for name in CUDNN_PINNED}
+    try:
+        for name, value in CUDNN_PINNED.items():
+            setattr(cudnn, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cudnn, name, value)
 
 
 def conv_output_shape(inp, weight, stride, padding, dilation) -> list[int]:
@@ -99,6 +125,30 @@ class Kernel:
             grad = torch.empty((*self.grad_output.shape[:2], *out), dtype=self.grad_output.dtype, device="meta")
         return replace(self, inp=inp, grad_output=grad)
 
+    def _call(self):
+        if self.backward:
+            return CONVOLUTION_BACKWARD, (self.grad_output, self.inp, self.weight, self.bias, *self.rest)
+        return CONVOLUTION, (self.inp, self.weight, self.bias, *self.rest)
+
+    def held_on_cuda(self, materialize=None) -> int:
+        """Bytes cuDNN held for the call above what it returns, on the current GPU, with cuDNN pinned: the engine is
+        built on a first call, then the allocator's peak is read over a second (``materialize``: how a meta argument
+        becomes a GPU tensor; a test passes its own)."""
+        materialize = materialize or (lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                    device="cuda").normal_())
+        func, args = self._call()
+        args = [materialize(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pinned_cudnn():
+            func(*args)
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = func(*args)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+        returned = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return max(0, peak - returned)
+
     def held_inside(self, threads: int) -> int:
         """Bytes the kernel held at its most above what it returns, on this CPU with ``threads`` intra-op threads:
         run once (oneDNN makes and caches its primitive), then again under torch.profiler's memory events."""
@@ -109,10 +159,7 @@ class Kernel:
                 return a
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).normal_()
 
-        if self.backward:
-            func, args = CONVOLUTION_BACKWARD, (self.grad_output, self.inp, self.weight, self.bias, *self.rest)
-        else:
-            func, args = CONVOLUTION, (self.inp, self.weight, self.bias, *self.rest)
+        func, args = self._call()
         args = [real(a) for a in args]
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -184,6 +231,8 @@ class CPUWorkspace:
     """``workspace(func, args)`` for ``trace.LiveBytes``: the bytes a CPU convolution holds inside the kernel on this
     CPU with ``threads`` intra-op threads (default: this process's), measured once per kernel signature."""
 
+    label = "CPU kernels"
+
     def __init__(self, threads: int | None = None):
         self.threads = threads or torch.get_num_threads()
         self.kernels: dict[tuple, Measured] = {}  # what this planner's traces ran, for its report
@@ -217,3 +266,38 @@ class CPUWorkspace:
         return (f"{len(self.kernels)} convolution kernel(s) run on this CPU ({', '.join(backends)}; "
                 f"{torch.backends.cpu.get_cpu_capability()}, {self.threads} thread(s)), {scaled} of them at smaller "
                 "sizes and extrapolated")
+
+
+class CUDAWorkspace(CPUWorkspace):
+    """``workspace(func, args)`` on CUDA: the workspace of the engine cuDNN selects for each convolution, measured on
+    this machine's current GPU (see the module's docstring), at a smaller size and extrapolated when it is large."""
+
+    label = "cuDNN"
+
+    def __init__(self, materialize=None):
+        super().__init__(threads=1)
+        self.materialize = materialize
+
+    def __call__(self, func, args) -> int:
+        kernel = Kernel.of(func, args)
+        if kernel is None:
+            return 0
+        key = ("cuda", *kernel.key(0))
+        if key not in _MEASURED:
+            _MEASURED[key] = self.measure(kernel)
+        self.kernels[key] = _MEASURED[key]
+        return _MEASURED[key].bytes
+
+    def measure(self, kernel: Kernel) -> Measured:
+        for extents in ([] if kernel.rest[3] else run_plans(kernel)):
+            runs = [kernel.resized(corner) for corner in itertools.product(*extents)]
+            values = {run.spatial: run.held_on_cuda(self.materialize) for run in runs}
+            return Measured("cudnn", max(0, round(extrapolate(extents, values, kernel.spatial))), list(values))
+        return Measured("cudnn", kernel.held_on_cuda(self.materialize), [kernel.spatial])
+
+    def summary(self) -> str:
+        if not self.kernels:
+            return "no convolution: no cuDNN workspace"
+        scaled = sum(len(m.runs) > 1 for m in self.kernels.values())
+        return (f"{len(self.kernels)} cuDNN convolution(s) run on this GPU with benchmark off and deterministic "
+                f"engines, their workspaces measured ({scaled} at smaller sizes and extrapolated)")
