@@ -26,6 +26,12 @@ How each column is taken (PhysicsNeMo 2.2.2, torch 2.14):
 - replicated outputs: the module's input was sharded, an all-gather ran inside it, and every distributed tensor it
   returned is Replicate: a silent gather. Only the innermost such module is marked; a reduction over the sharded
   axis (a mean over the points) all-reduces instead, and is not a gather.
+- whole on every rank: a plain tensor added to, multiplied with or concatenated to a ShardTensor (ops with no
+  handler: DTensor's fallback promotes it to Replicate, ``_convert_args_to_dtensor``) and as long as the field along
+  the split dim: every rank holds all of it, where its own slab would do. Only such elementwise ops count: a weight
+  that meets the field in a contraction (an einsum over channels split by a fallback) is no part of the field. A
+  parameter or buffer of the model is named (a positional table: shard it on ``domain``); anything else is an
+  activation the model built whole on every rank (FNO's coordinate grid). Nothing moves, so no collective shows it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ LOSS = "(loss)"  # the row of the loss function's own collectives: it is not a m
 MOVES_SHARDS = ("all_gather", "all_to_all")  # what DTensor runs to take a sharded tensor apart or together
 _FALLBACKS = ("_torch_function_fallback_via_dtensor", "_dispatch_fallback_via_dtensor")
 _PROMOTION = "ShardTensor auto-promoting"  # how PhysicsNeMo's WARN-mode warning starts
+FIELD_OPS = {"add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "div", "truediv", "rtruediv",
+             "cat", "concat", "concatenate", "stack", "where"}  # ops whose plain operand is laid over the field
 UNTRACED = "backward collectives of nodes no module created are counted here"
 
 
@@ -102,6 +110,7 @@ class Audit:
             if row["replicated outputs"]:
                 lines.append(f"{row['module']}: sharded input, Replicate output, an all_gather inside: a silent gather "
                              "(every rank held and computed the whole tensor).")
+            lines += [whole_line(row["module"], each) for each in row.get("whole", {}).values()]
         if self.error:
             lines.append(f"the backward raised {self.error}.")
         return lines
@@ -116,12 +125,32 @@ class Audit:
                  "backward": format_ops(row["backward"]) + (f" ({row['note']})" if row["note"] else ""),
                  "promoted": row["promoted"] or "",
                  "found": "; ".join([*(f"unpatched {op}" for op in row["unpatched"]),
-                                     *(["silent gather"] if row["replicated outputs"] else [])])}
+                                     *(["silent gather"] if row["replicated outputs"] else []),
+                                     *(f"whole on every rank: {name}" for name in row.get("whole", {}))])}
                 for row in self.rows]
         total = self.totals()
         rows.append({"module": "total", "forward": format_ops(total["forward"]),
                      "backward": format_ops(total["backward"]), "promoted": "", "found": ""})
         return Table(rows, ["module", "forward", "backward", "promoted", "found"], title=[title] if title else ())
+
+
+def whole_line(module: str, each: dict) -> str:
+    """The finding for a tensor every rank holds whole (``Audit.rows[i]["whole"]``), with what to change."""
+    held = f"{tuple(each['shape'])}, {each['bytes']:,} B on every rank"
+    if each["parameter"]:
+        leaf = each["parameter"].rsplit(".", 1)[-1]
+        return (f"{module}: {each['parameter']} {held}, follows the field along dim {each['dim']} and is whole on "
+                f"every rank: shard it on domain as a DTensor, Shard({each['dim']}) (sl.parity: strategy "
+                f"'fsdp_spatial', spatial={{{leaf!r}: {each['dim']}}}).")
+    return (f"{module}: a plain tensor {held} met the field split along dim {each['dim']} and holds that dim whole "
+            f"({each['shape'][each['dim']]} long): every rank built all of it; build only this rank's rows (a "
+            "ShardTensor.from_local of its slab).")
+
+
+def _op_leaf(name: str) -> str:
+    """``torch.cat`` -> cat, ``torch.Tensor.__add__`` -> add, ``aten.add.Tensor`` -> add."""
+    parts = name.split(".")
+    return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]).strip("_")
 
 
 def _placements(t):
@@ -152,6 +181,7 @@ class _Recording:
 
         self.torch = torch
         self.names = {module: path for path, module in model.named_modules()}
+        self.held = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
         self.root = type(model).__name__
         self.rows: dict[str, dict] = {}
         self.phase = "forward"
@@ -163,7 +193,8 @@ class _Recording:
     def row(self, module: str) -> dict:
         if module not in self.rows:
             self.rows[module] = {"module": module or self.root, "forward": {}, "backward": {}, "unpatched": [],
-                                 "unpatched moves": {}, "replicated outputs": False, "promoted": 0, "note": ""}
+                                 "unpatched moves": {}, "replicated outputs": False, "promoted": 0, "note": "",
+                                 "whole": {}}
         return self.rows[module]
 
     def _sequence_nr(self) -> int:
@@ -215,11 +246,31 @@ class _Recording:
         if self.stack:
             self.stack[-1]["marked below"] |= marked or frame["marked below"]
 
+    def plain_beside_split(self, args, kwargs) -> None:
+        """Each plain tensor of an op's arguments as long along a split dim as the split tensor beside it (the same
+        number of dims, broadcast or concatenated alike): whole on every rank where a slab would do."""
+        with self.torch._C.DisableTorchFunctionSubclass():  # shapes as they are, not through ShardTensor's ops
+            tensors = _tensors(args, kwargs or {})
+            split = [(t, p.dim % t.ndim) for t in tensors for p in _placements(t) or () if p.is_shard()]
+            for t in tensors:
+                if type(t) not in (self.torch.Tensor, self.torch.nn.Parameter) or t.dim() < 1:
+                    continue
+                for s, dim in split:
+                    if t.ndim == s.ndim and t.shape[dim] == s.shape[dim] > s._local_tensor.shape[dim]:
+                        name = self.held.get(id(t))
+                        self.row(self.where())["whole"][name or f"{tuple(t.shape)}"] = {
+                            "shape": list(t.shape), "bytes": t.numel() * t.element_size(), "dim": dim,
+                            "parameter": name}
+                        break
+
     def fallback(self, original):
         def through_dtensor(func, args, kwargs=None):
             if func is self.torch.Tensor.backward:  # the whole backward, not an op
                 return original(func, args, kwargs)
-            self.fallbacks.append([_op_name(func), []])
+            name = _op_name(func)
+            if self.phase == "forward" and _op_leaf(name) in FIELD_OPS:
+                self.plain_beside_split(args, kwargs)
+            self.fallbacks.append([name, []])
             try:
                 return original(func, args, kwargs)
             finally:
@@ -327,5 +378,5 @@ def audit_model(model, *inputs, loss=mean_square) -> Audit:
         for p, grad in saved_grads.items():
             p.grad = grad
     rows = [row for row in recording.rows.values()
-            if row["forward"] or row["backward"] or row["unpatched"] or row["replicated outputs"]]
+            if row["forward"] or row["backward"] or row["unpatched"] or row["replicated outputs"] or row["whole"]]
     return Audit(rows, output, error)

@@ -124,15 +124,33 @@ unet3d = Case("DiffusionUNet3D", _unet3d, lambda size: {"x": torch.randn(1, 2, s
               settings="PhysicsNeMo's test configuration (2 levels, attention at level 1), dropout 0")
 
 
-def _fno():
+def _fno(**options):
     from physicsnemo.models.fno import FNO
 
     return FNO(in_channels=1, out_channels=1, dimension=2, latent_channels=8, num_fno_layers=2, num_fno_modes=4,
-               decoder_layers=1, decoder_layer_size=8)
+               decoder_layers=1, decoder_layer_size=8, **options)
 
 
-fno = Case("FNO", _fno, lambda size: {"x": torch.randn(1, 1, size, size)}, {"x": 2},
-           sizes=lambda domain: (16 * domain,), settings="defaults (padding 8, coordinate features)")
+def _fno_on_slabs():
+    from .workarounds import fno_on_slabs
+
+    return fno_on_slabs(models.spectral_layers_on_slabs(_fno()))
+
+
+fno = Case("FNO", _fno_on_slabs, lambda size: {"x": torch.randn(1, 1, size, size)}, {"x": 2},
+           sizes=lambda domain: (16 * domain, 16 * domain + 1),
+           settings="defaults (padding 8, coordinate features), run on slabs: its spectral layers by "
+                    "`sl.models.spectral_layers_on_slabs` (rfft2 has no ShardTensor handler: DTensor would move the "
+                    "field off H), its coordinate grid and padding by `sl.workarounds.fno_on_slabs` (upstream builds "
+                    "the whole (B, 2, H, W) grid on every rank, `self._meshgrid(list(x.shape), x.device)`, "
+                    "nn/module/fno_layers.py:369, and drops the padding with a slice of the split dim that aborts "
+                    "the ranks, line 387)")
+
+# Not a row: FNO before the grid fix (padding 0, so upstream's unpadding never slices the split dim; the spectral
+# layers on slabs): each rank builds the whole coordinate grid, which the audit finds
+# (tests/multirank/test_fno_grid_and_spatial.py).
+fno_grid_whole = Case("FNO, whole coordinate grid", lambda: models.spectral_layers_on_slabs(_fno(padding=0)),
+                      fno.inputs, {"x": 2}, sizes=lambda domain: (16 * domain,), settings="padding 0, grid as upstream")
 
 
 unet = Case("U-Net (sl.models.unet)", lambda: models.unet(width=8, levels=2),
@@ -154,6 +172,24 @@ fno_unpadded = Case("FNO, padding 0 (sl.models.fno)", lambda: models.fno(),
 # multirank test runs on a (ddp 2, domain 2) mesh: the gradients come back as DTensor shards of FSDP2.
 transolver_fsdp = Case("Transolver, fsdp_spatial", _transolver, _points, {"fx": 1, "embedding": 1},
                        strategy="fsdp_spatial", settings=transolver.settings)
+
+
+
+# Spatial parameters, measured (docs/models.md's second table): DiT's tokenizer, the part of DiT that holds its
+# positional table and the part that runs on CPU ranks (its attention is ring attention there, CUDA only:
+# domain_parallel/shard_utils/attention_patches.py:201), laid out both ways on the same split of the field.
+def _dit_tokenizer(size: int):
+    return _dit(size).tokenizer
+
+
+_TABLE = "pos_embed (1, tokens, C), the tokens in the field's row order: a rank's rows of patches are its run of tokens"
+dit_replicated = Case("DiT tokenizer, pos_embed replicated", _dit_tokenizer,
+                      lambda size: {"x": torch.randn(1, 4, size, size)}, {"x": 2}, sizes=dit.sizes,
+                      settings=f"{_TABLE}; left a plain parameter (DDP): every rank holds it whole")
+dit_sharded = Case("DiT tokenizer, pos_embed sharded", _dit_tokenizer, dit_replicated.inputs, {"x": 2},
+                   sizes=dit.sizes, strategy="fsdp_spatial", spatial={"pos_embed": 1},
+                   settings=f"{_TABLE}; a DTensor Shard(1) on domain, the rest fully_shard on ddp (DiT's own layout)")
+SPATIAL = (dit_replicated, dit_sharded)
 
 NAMES = {case.name: name for name, case in globals().items() if isinstance(case, Case)}  # the load() reference
 

@@ -245,13 +245,16 @@ def _parity_at(case: Case, size: int, mesh, dtype) -> dict:
 def _audit_at(case: Case, size: int, mesh, dtype) -> dict:
     from .audit import audit_model
 
-    whole, model, _ = _prepared(case, size, mesh, dtype)
+    whole, model, inner = _prepared(case, size, mesh, dtype)
     inputs = _scattered(case, whole, mesh)
+    tables = spatial_parameters(case, mesh["domain"].size())  # a spatial table's bytes on this rank, as laid out
+    held = {name: (t.to_local() if hasattr(t, "to_local") else t).nbytes
+            for name, t in [*inner.named_parameters(), *inner.named_buffers()] if name in tables}
     found = audit_model(model, inputs, loss=lambda out: _loss(case, out)) if case.one_dict else \
         audit_model(_keywords(model, list(inputs)), *inputs.values(), loss=lambda out: _loss(case, out))
     sent = {phase: sum(b for _, b in ops.values()) for phase, ops in found.totals().items()}
     return {"size": size, "findings": found.findings(), "unpatched": unpatched_lines(found), "bytes": sent,
-            "error": found.error}
+            "error": found.error, "held": held}
 
 
 def _keywords(model, names):
@@ -321,8 +324,8 @@ def check(case: Case, domain: int | None = None, dtype: str = "float64", progres
            "dtype": dtype, "device": DistributedManager().device.type, "problems": problems(case, domain)}
     built = case.model(case.sizes(domain)[0])
     held = dict([*built.named_parameters(), *built.named_buffers()])
-    row["spatial"] = {name: {"dim": dim, "split": name.rsplit(".", 1)[-1] in case.spatial, "values": held[name].numel()}
-                      for name, dim in spatial_parameters(case, domain).items()}
+    row["spatial"] = {name: {"dim": dim, "split": name.rsplit(".", 1)[-1] in case.spatial, "values": held[name].numel(),
+                             "length": held[name].shape[dim]} for name, dim in spatial_parameters(case, domain).items()}
     if row["problems"]:
         return row
     if case.all_handlers and not torch.cuda.is_available():

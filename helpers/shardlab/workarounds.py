@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from datetime import timedelta
 
 import psutil
+
+from .nodelist import expand_nodelist  # noqa: F401  (read here by tests/system/test_slurm_nodes.py)
 
 
 @contextlib.contextmanager
@@ -342,6 +345,8 @@ def slurm_rendezvous_address(env=None) -> str:
                      if env.get(name)), "")
     count = next((env[name] for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
                   if env.get(name)), "")
+    from .nodelist import slurm_hostnames
+
     hosts = []
     with contextlib.suppress(ValueError):
         hosts = slurm_hostnames(nodelist) if nodelist else []
@@ -355,45 +360,41 @@ def slurm_rendezvous_address(env=None) -> str:
         "node before srun, e.g. export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1).")
 
 
-def slurm_hostnames(nodelist: str) -> list[str]:
-    """The host names of a Slurm node list ('node[01-04,07]'): ``scontrol show hostnames`` where scontrol is on
-    PATH, else ``expand_nodelist``. ValueError when neither can read it."""
-    import shutil
-    import subprocess
+def fno_on_slabs(model):
+    """Each ``FNO2DEncoder`` of ``model`` (PhysicsNeMo's 2-D FNO), for an input split along H, builds its coordinate
+    features for this rank's rows only (the same ``linspace``'s rows) and drops its padding from this rank's rows,
+    communicating nothing; other inputs take upstream's forward. In place; returns ``model``. Upstream (physicsnemo
+    2.2.2, ``nn/module/fno_layers.py``, no issue yet): ``self._meshgrid(list(x.shape), x.device)`` (line 369) gets a
+    ShardTensor's global shape, so every rank builds the whole (B, 2, H, W) grid (391-412); the padding (8 rows by
+    default, which ShardTensor's pad handler adds on the last rank) is dropped by ``x[..., :-8, :-8]`` (line 387), a
+    slice of the split dim with no handler: DTensor's fallback assumes even shards, the collectives mismatch and gloo
+    aborts. The spectral layers are ``models.spectral_layers_on_slabs``'s."""
+    from physicsnemo.nn.module.fno_layers import FNO2DEncoder
 
-    if scontrol := shutil.which("scontrol"):
-        try:
-            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=30)
-            if out.returncode == 0 and out.stdout.split():
-                return out.stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            pass  # the parser below reads the common syntax
-    return expand_nodelist(nodelist)
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compact node list as host names, in order, for the common syntax: names, commas, and brackets of
-    numbers and ranges, zero-padded as written ('node[01-03,07],gpu[1-2]-ib' -> node01, node02, node03, node07,
-    gpu1-ib, gpu2-ib). ValueError for anything else."""
-    import re
-
-    pattern = r"(?:[^,\[\]]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+"
-    if not re.fullmatch(rf"{pattern}(?:,{pattern})*", nodelist):
-        raise ValueError(f"not a Slurm node list this parser reads: {nodelist!r}")
-    hosts = []
-    for name in re.findall(pattern, nodelist):
-        expanded = [""]
-        for text, ranges in re.findall(r"([^\[]+)|\[([^\]]*)\]", name):
-            choices = [text] if text else [number for each in ranges.split(",") for number in _numbers(each)]
-            expanded = [head + tail for head in expanded for tail in choices]
-        hosts += expanded
-    return hosts
+    for module in (m for m in model.modules() if isinstance(m, FNO2DEncoder)):
+        module.forward = types.MethodType(_fno_encoder_on_slabs, module)
+    return model
 
 
-def _numbers(spec: str) -> list[str]:
-    """'07' -> ['07']; '01-03' -> ['01', '02', '03'] (the width of the first bound, as Slurm pads)."""
-    low, _, high = spec.partition("-")
-    if int(high or low) < int(low):
-        raise ValueError(f"a descending range in a Slurm node list: [{spec}]")
-    return [str(number).zfill(len(low)) for number in range(int(low), int(high or low) + 1)]
+def _fno_encoder_on_slabs(self, x):
+    import torch
+    from physicsnemo.domain_parallel import ShardTensor
+
+    if not isinstance(x, ShardTensor) or len(x.placements) != 1 or not x.placements[0].is_shard(2):
+        return type(self).forward(self, x)
+    (batch, _, height, width), me, mesh = x.shape, x.device_mesh.get_local_rank(), x.device_mesh
+    on_slabs = lambda local, shapes: ShardTensor.from_local(  # noqa: E731  (this rank's rows; every rank's shape)
+        local, mesh, x.placements, sharding_shapes={0: tuple(map(tuple, shapes))})
+    if self.coord_features:
+        rows = [shape[2] for shape in x._spec.sharding_shapes()[0]]
+        top, line = sum(rows[:me]), lambda n: torch.linspace(0, 1, n, dtype=torch.float32, device=x.device)
+        grid = torch.stack(torch.meshgrid(line(height)[top:top + rows[me]], line(width), indexing="ij"))
+        grid = grid.expand(batch, 2, rows[me], width).to(x.dtype).contiguous()
+        x = torch.cat((x, on_slabs(grid, [(batch, 2, n, width) for n in rows])), dim=1)
+    y = torch.nn.functional.pad(self.lift_network(x), (0, self.pad[1], 0, self.pad[0]), mode=self.padding_type)
+    for k, (conv, spectral) in enumerate(zip(self.conv_layers, self.spconv_layers)):
+        y = conv(y) + spectral(y)
+        y = self.activation_fn(y) if k < len(self.conv_layers) - 1 else y
+    shapes = y._spec.sharding_shapes()[0]
+    kept = [max(0, min(shape[2], height - sum(s[2] for s in shapes[:r]))) for r, shape in enumerate(shapes)]
+    return on_slabs(y.to_local()[:, :, :kept[me], :width], [(*shape[:2], n, width) for shape, n in zip(shapes, kept)])

@@ -172,11 +172,17 @@ def an_fft_along_the_sharded_axis_is_found(found, world):
     for layer in ("spec_encoder.spconv_layers.0", "spec_encoder.spconv_layers.1"):
         spectral = row(found, layer)
         assert spectral["unpatched"] == ["torch.fft.rfft2"] and spectral["replicated outputs"], spectral
+        assert spectral["whole"] == {}, spectral  # its weights meet channels split by the fallback: not the field
         # DTensor gathers the lifted field: each rank hands its own rows, 8 channels × 16/N rows × 16 columns.
         assert ops(spectral["forward"]) == {"all_gather": (1, 8 * (16 // world) * 16 * 8)}
         assert sum(line.startswith(layer) for line in found["findings"]) == 2  # the op, and the silent gather
     assert "shard_tensor.py" in found["error"] and found["findings"][-1].startswith("the backward raised")
     assert found["gap"] < 1e-12  # the gather is silent: the forward is still right
+    # upstream's coordinate grid, built whole on every rank from the global shape: (1, 2, 16, 16) float32, named
+    [grid] = [line for line in found["findings"] if line.startswith("spec_encoder: ")]
+    assert grid.startswith("spec_encoder: a plain tensor (1, 2, 16, 16), 2,048 B on every rank met the field split "
+                           "along dim 2"), grid
+    assert [*row(found, "spec_encoder")["whole"]] == ["(1, 2, 16, 16)"]
 
 
 def a_module_that_hands_back_its_input_whole_is_a_silent_gather(audit):

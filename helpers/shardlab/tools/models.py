@@ -17,11 +17,11 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from .. import model_cases, parity
+from .. import audit, model_cases, parity, workarounds
 from ..ranks.launch import JobFailed, run_job
 
 RANKS = (2, 4)
-STAMPED = (parity, model_cases, sys.modules[__name__])
+STAMPED = (parity, model_cases, audit, workarounds, sys.modules[__name__])
 PACKAGES = ("torch", "nvidia-physicsnemo")
 STAMP_LINE = re.compile(r"^<!-- stamp: (\w+) -->$", re.M)
 
@@ -59,7 +59,7 @@ def _failure(stderr: str, step: str | None = None, returncode: int | None = None
 
 
 def check(case_name: str, ranks: int, timeout_s: float) -> dict:
-    ref = model_cases.ref(next(case for case in model_cases.CASES if case.name == case_name))
+    ref = model_cases.ref(next(case for case in model_cases.CASES + model_cases.SPATIAL if case.name == case_name))
     t0 = time.perf_counter()
     try:
         job = run_job("torchrun", ranks, "shardlab.parity", [ref], timeout_s=timeout_s, check=False)
@@ -146,7 +146,9 @@ model and rank count, the domain axis every rank; each row names the device its 
   gradient (the worst named), for each size (an *uneven* split: the domain size does not divide it). A gradient below
   a millionth of the model's largest is zero in exact arithmetic and measured against that millionth. Bound: 1e-10.
 - **audit findings**: `sl.audit.audit_model` on the distributed model: each op ShardTensor has no handler for (and how
-  to register one), each silent gather, a backward that raised (file and line of the installed package).
+  to register one), each silent gather, each plain tensor every rank holds whole along the split dim (a positional
+  table left replicated, named with how to shard it; an activation built whole), a backward that raised (file and
+  line of the installed package).
 - **spatial parameters**: each parameter or buffer whose shape follows the field (the model built at two sizes: the
   dim that changed), its bytes, and whether the strategy splits it on `domain` or leaves it whole on every rank.
 - **collectives**: the bytes this rank handed to collectives in one forward and backward, as the audit counts them
@@ -157,10 +159,59 @@ model and rank count, the domain axis every rank; each row names the device its 
 """
 
 
+SPATIAL = """## Spatial parameters, measured: DiT's positional table
+
+DiT adds a learned table, `pos_embed` (1, tokens, C), to its tokens (`tokens = ... + self.pos_embed`,
+physicsnemo/nn/module/dit_layers.py:1115): its length follows the field. The field is split along H, so each rank's
+rows of patches are a run of tokens. Two layouts of the same tokenizer (the part of DiT that holds the table; its
+attention runs only on GPUs here), the same inputs and checks as the table above:
+
+- **replicated**: a plain parameter. The sum is right: ShardTensor promotes the table to `Replicate` and adds this
+  rank's rows of it. But every rank holds the whole table, and its gradient is all-reduced whole; the audit names it.
+- **sharded**: a DTensor `Shard(1)` on `domain`, the rest `fully_shard` on `ddp`, as PhysicsNeMo's DiT test and
+  StormCast recipe lay it out: each rank holds its rows.
+- **a model that slices the table by the local shape** (`table[:, :tokens]` with a rank's own token count, as code
+  written for one process does when it runs on a rank's block): every rank reads the first rows, and only rank 0's
+  are its own. The last column says which rows each rank reads and which it should, from each rank's split.
+"""
+
+
+def _spatial_rows(rows: list[dict]) -> str:
+    lines = ["| layout | ranks | table bytes on each rank (whole) | parity (output, worst gradient) | audit findings "
+             "| collectives per step per rank (forward + backward) | peak per rank | rows read if sliced by the local "
+             "shape (should read) |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        findings, sent = _audit_cell(row)
+        held = row.get("audit", {}).get("held", {})
+        whole = {name: each["values"] * 8 for name, each in row.get("spatial", {}).items()}
+        length = max((each["length"] for each in row.get("spatial", {}).values()), default=0)
+        tokens = [len(part) for part in torch_split(length, row["ranks"])]  # each rank's run of the table's rows
+        starts = [sum(tokens[:r]) for r in range(len(tokens))]
+        split = any(each["split"] for each in row.get("spatial", {}).values())
+        read = ("each rank holds its own rows: " if split else "") + "; ".join(
+            f"rank {r}: {s}..{s + n}" if split else f"rank {r}: 0..{n} ({s}..{s + n})"
+            for r, (n, s) in enumerate(zip(tokens, starts)))
+        memory = "<br>".join(f"{size}: {_bytes(peak)}" for size, peak in row.get("memory", {}).items())
+        lines.append(f"| {row['case']} | {row['ranks']} | "
+                     f"{'; '.join(f'{n}: {b:,} B ({whole[n]:,} B)' for n, b in held.items())} | {_parity_cell(row)} "
+                     f"| {findings} | {sent} | {memory} | {read} |")
+    return "\n".join(lines)
+
+
+def torch_split(length: int, parts: int) -> list[range]:
+    """``torch.tensor_split``'s parts of ``range(length)``: DTensor's and scatter_tensor's chunks."""
+    import torch
+
+    return [range(int(p[0]), int(p[-1]) + 1) if len(p) else range(0) for p in torch.arange(length).tensor_split(parts)]
+
+
 def page(rows: list[dict]) -> str:
-    settings = "\n".join(f"- **{case.name}**: {case.settings}." for case in model_cases.CASES)
+    settings = "\n".join(f"- **{case.name}**: {case.settings}." for case in model_cases.CASES + model_cases.SPATIAL)
     versions = ", ".join(f"{package} {version(package)}" for package in PACKAGES)
-    return (f"{HEADER}\n{table(rows)}\n\n## Settings (what differs from each model's defaults, and why)\n\n"
+    spatial = {case.name for case in model_cases.SPATIAL}
+    return (f"{HEADER}\n{table([r for r in rows if r['case'] not in spatial])}\n\n{SPATIAL}\n"
+            f"{_spatial_rows([r for r in rows if r['case'] in spatial])}\n\n"
+            "## Settings (what differs from each model's defaults, and why)\n\n"
             f"{settings}\n\nVersions: {versions}.\n\n<!-- stamp: {stamp()} -->\n")
 
 
@@ -171,7 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--timeout-s", type=float, default=300)
     args = parser.parse_args(argv)
-    names = args.only or [case.name for case in model_cases.CASES]
+    names = args.only or [case.name for case in model_cases.CASES + model_cases.SPATIAL]
     rows = []
     for name in names:
         for ranks in args.ranks:
