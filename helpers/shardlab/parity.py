@@ -173,25 +173,15 @@ def _distributed(case: Case, model, mesh):
     import torch
     from physicsnemo.domain_parallel import sync_module_over_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from .train import shard_spatial
 
     if case.strategy == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["ddp"].get_group(),
                                                         find_unused_parameters=True)
         return ddp, model
     sync_module_over_mesh(model, mesh["domain"], verify=True)  # FSDP2 broadcasts nothing: start the replicas equal
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if name in case.spatial:
-                module.register_parameter(name, torch.nn.Parameter(
-                    distribute_tensor(p.data, mesh["domain"], [Shard(case.spatial[name])]), p.requires_grad))
-        for name, b in list(module.named_buffers(recurse=False)):
-            if name in case.spatial and b is not None:
-                module.register_buffer(name, distribute_tensor(b, mesh["domain"], [Shard(case.spatial[name])]),
-                                       persistent=name not in module._non_persistent_buffers_set)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.contiguous()  # fully_shard refuses non-contiguous parameters
+    shard_spatial(model, case.spatial, mesh["domain"])
     fully_shard(model, mesh=mesh["ddp"])
     return model, model
 

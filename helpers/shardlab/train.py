@@ -121,6 +121,25 @@ def wrap(model, mesh, how: str, levers: Levers = NO_LEVERS):
     return model
 
 
+def shard_spatial(model, spatial: dict[str, int], domain_mesh) -> None:
+    """Each parameter or buffer named in ``spatial`` (name → dim) becomes a DTensor split along that dim on the
+    ``domain`` mesh, as upstream shards positional tables; every parameter is made contiguous for ``fully_shard``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if name in spatial:
+                split = distribute_tensor(p.data, domain_mesh, [Shard(spatial[name])])
+                module.register_parameter(name, torch.nn.Parameter(split, p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if name in spatial and b is not None:
+                module.register_buffer(name, distribute_tensor(b, domain_mesh, [Shard(spatial[name])]),
+                                       persistent=name not in module._non_persistent_buffers_set)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.contiguous()  # fully_shard refuses non-contiguous parameters
+
+
 def fsdp_units(model) -> list[tuple[torch.nn.Module, list[str]]]:
     """The modules ``wrap(..., "fsdp2")`` gives ``fully_shard``, each with the names (relative to it) of the
     parameters it manages: every child with a trainable parameter (the children of a container with no forward of its

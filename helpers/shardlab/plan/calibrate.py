@@ -31,24 +31,14 @@ def _laid_out(case, model, mesh, levers: Levers):
     as DTensors and ``fully_shard`` over ``ddp`` (with ``levers``' MixedPrecisionPolicy)."""
     from physicsnemo.domain_parallel import sync_module_over_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ..train import shard_spatial
 
     if case.strategy == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["ddp"].get_group(),
                                                          find_unused_parameters=True)
     sync_module_over_mesh(model, mesh["domain"], verify=True)
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if name in case.spatial:
-                split = distribute_tensor(p.data, mesh["domain"], [Shard(case.spatial[name])])
-                module.register_parameter(name, torch.nn.Parameter(split, p.requires_grad))
-        for name, b in list(module.named_buffers(recurse=False)):
-            if name in case.spatial and b is not None:
-                module.register_buffer(name, distribute_tensor(b, mesh["domain"], [Shard(case.spatial[name])]),
-                                       persistent=name not in module._non_persistent_buffers_set)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.contiguous()
+    shard_spatial(model, case.spatial, mesh["domain"])
     policy = MixedPrecisionPolicy(param_dtype=levers.param_dtype) if levers.param_dtype else MixedPrecisionPolicy()
     fully_shard(model, mesh=mesh["ddp"], mp_policy=policy, reshard_after_forward=levers.reshard_after_forward)
     return model
