@@ -117,8 +117,9 @@ def _stored_params(path: Path) -> dict | None:
 
 def _found(path: Path) -> dict | None:
     """The parameters of the shardlab store at ``path``, None when nothing is there; StoreError for anything else.
-    A store only ever appears whole (a rename), so a folder that appears between the two looks is read again."""
-    for _ in range(2):
+    A store only ever appears or leaves whole (a rename), but with many writers one can be renamed in or aside
+    while it is read: what fails to read and is still there is read again, a few times."""
+    for _ in range(8):
         found = _stored_params(path)
         if found is not None or not os.path.lexists(path):
             return found
