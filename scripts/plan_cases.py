@@ -76,7 +76,7 @@ def _rank_program(refs: list[str], sizes: list[int]) -> None:
 
 def check_size(case, ranks: int) -> int:
     """A size the planner does not measure: ``memory_scale`` times the larger of its two (``calibration_sizes``)."""
-    from shardlab.plan.cases import calibration_sizes
+    from shardlab.plan.inputs import calibration_sizes
 
     return calibration_sizes(case, ranks)[1] * case.memory_scale
 

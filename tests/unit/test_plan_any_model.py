@@ -16,7 +16,7 @@ PER_POINT, FIXED = 600, 400_000  # the synthetic step: bytes above the state per
 def synthetic(case, ranks=2, kept_per_point=0):
     """A calibration as ``calibrate`` returns it, of a step whose excess over the state is FIXED + PER_POINT × points
     (at the sizes a real one measures)."""
-    from shardlab.plan.cases import calibration_sizes
+    from shardlab.plan.inputs import calibration_sizes
 
     sizes = list(calibration_sizes(case, ranks))
     rows = []

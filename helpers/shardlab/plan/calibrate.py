@@ -15,8 +15,7 @@ from torch.utils._pytree import tree_flatten
 from ..levers import NO_LEVERS, Levers
 from ..ranks.launch import run_job
 from ..workarounds import exact_mean
-from .cases import calibration_sizes, case_ref
-from .inputs import DTYPES
+from .inputs import DTYPES, calibration_sizes, case_ref
 
 
 def _loss(case, out):

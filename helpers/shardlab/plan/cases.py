@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import time
 from dataclasses import dataclass
 
@@ -32,28 +31,13 @@ import torch
 
 from ..levers import NO_LEVERS, Levers
 from ..train import WRAPPERS, fsdp_units
-from .inputs import DTYPES, check_loading
+from .inputs import DTYPES, calibration_sizes, check_loading
 from .planner import Planner
 from .records import Plan, RankBytes
 
 METHOD = "measured ×2, extrapolated"  # a case's rows; the conv planner's are "meta replay"
 _BUILT: set[str] = set()  # cases built once in this process, at their smallest size
 _CALIBRATIONS: dict[tuple, dict] = {}  # per process: what the ranks measured, by case, ranks, sizes and settings
-
-
-def is_case(model) -> bool:
-    """A parity case (duck-typed: ``plan`` sits below ``parity`` in the layers and never imports it)."""
-    return all(hasattr(model, a) for a in ("build", "inputs", "shard", "strategy", "whole_inputs"))
-
-
-def case_ref(case) -> str:
-    """The ``module:name`` the job of ranks loads the case by."""
-    module = sys.modules.get(getattr(case.build, "__module__", ""), None)
-    for name, value in vars(module or object()).items():
-        if value is case:
-            return f"{module.__name__}:{name}"
-    raise ValueError(f"{case.name}: the ranks load a case by module and name; define it at the top level of an "
-                     "importable module (as shardlab.model_cases does) and plan that.")
 
 
 def _meta(case, size: int) -> tuple[torch.nn.Module, dict]:
@@ -283,15 +267,6 @@ class CasePlanner(Planner):
                     self.optimizer, self.name, time.perf_counter() - t0, notes, levers, self.loading, METHOD)
 
 
-def calibration_sizes(case, ranks: int) -> tuple[int, int]:
-    """The two sizes a case is measured at on ``ranks`` ranks: ``memory_scale`` and its square times the first size
-    its parity runs at. Not that size itself: at a few rows per rank what does not grow with the field (the
-    allocator's and the kernels' fixed buffers) decides the peak, and the line through it would start too low (the
-    series' U-Net on 2 ranks: 323 bytes per element between 32² and 64², 540 from 64² on)."""
-    first = case.sizes(ranks)[0] * case.memory_scale
-    return first, first * case.memory_scale
-
-
 def _key(case, ranks: int, dtype, optimizer: str, levers: Levers) -> tuple:
     return case.name, ranks, calibration_sizes(case, ranks), str(dtype), optimizer, levers.label
 
@@ -307,3 +282,6 @@ def prepare(cases, ranks: int, dtype=torch.float32, optimizer: str = "adam", lev
         for case, measured in zip(todo, calibrate(todo, ranks, dtype, optimizer, levers, timeout_s), strict=True):
             _CALIBRATIONS[_key(case, ranks, dtype, optimizer, levers)] = measured
     return [_CALIBRATIONS[_key(c, ranks, dtype, optimizer, levers)] for c in cases]
+
+
+Planner.case_planner = CasePlanner  # Planner(case, size) builds one (plan/__init__ imports this module)

@@ -49,7 +49,7 @@ def _case_planner(args) -> Planner:
     """``--case module:name --size N``: the case planned from its ranks' measurements (``--calibration``)."""
     import importlib
 
-    from .cases import is_case
+    from .inputs import is_case
 
     module, _, name = args.case.partition(":")
     try:

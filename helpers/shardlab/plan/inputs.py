@@ -4,6 +4,7 @@ text with a message that says what to write instead."""
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 
@@ -95,3 +96,27 @@ def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int 
                          "same number of halo rows from each neighbour, and 'same' padding keeps the field's size.")
     with torch.device(device):
         return conv_stack(width=width, layers=depth, kernel_size=kernel_size, dims=dims)
+
+
+def is_case(model) -> bool:
+    """A parity case (duck-typed: ``plan`` sits below ``parity`` in the layers and never imports it)."""
+    return all(hasattr(model, a) for a in ("build", "inputs", "shard", "strategy", "whole_inputs"))
+
+
+def case_ref(case) -> str:
+    """The ``module:name`` the job of ranks loads the case by."""
+    module = sys.modules.get(getattr(case.build, "__module__", ""), None)
+    for name, value in vars(module or object()).items():
+        if value is case:
+            return f"{module.__name__}:{name}"
+    raise ValueError(f"{case.name}: the ranks load a case by module and name; define it at the top level of an "
+                     "importable module (as shardlab.model_cases does) and plan that.")
+
+
+def calibration_sizes(case, ranks: int) -> tuple[int, int]:
+    """The two sizes a case is measured at on ``ranks`` ranks: ``memory_scale`` and its square times the first size
+    its parity runs at. Not that size itself: at a few rows per rank what does not grow with the field (the
+    allocator's and the kernels' fixed buffers) decides the peak, and the line through it would start too low (the
+    series' U-Net on 2 ranks: 323 bytes per element between 32² and 64², 540 from 64² on)."""
+    first = case.sizes(ranks)[0] * case.memory_scale
+    return first, first * case.memory_scale

@@ -13,7 +13,7 @@ import torch
 from ..levers import NO_LEVERS, Levers, use_checkpointing
 from ..mesh import check_batch_per_domain_group
 from ..train import WRAPPERS, fsdp_units
-from .inputs import DTYPES, OPTIMIZERS, GiB, check_loading, fmt_bytes
+from .inputs import DTYPES, OPTIMIZERS, GiB, check_loading, fmt_bytes, is_case
 from .records import BUFFERS, Plan, RankBytes, headroom
 from .search import DomainSearch
 from .trace import (
@@ -58,11 +58,11 @@ class Planner(DomainSearch):
     searched in ``DomainSearch``. Given a parity case (``sl.parity.Case``) and a size instead of a model and a field,
     it is a ``cases.CasePlanner``: the case measured on ranks at two small sizes and extrapolated."""
 
-    def __new__(cls, model=None, *args, **kwargs):
-        from .cases import CasePlanner, is_case
+    case_planner: type | None = None  # cases.CasePlanner, set where it is defined: no import back into cases
 
+    def __new__(cls, model=None, *args, **kwargs):
         if cls is Planner and is_case(model):
-            return super().__new__(CasePlanner)
+            return super().__new__(cls.case_planner)
         return super().__new__(cls)
 
     def __init__(self, model, field_shape, dtype=torch.float32, optimizer: str = "adam", shard_dim: int = 2,
