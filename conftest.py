@@ -135,6 +135,14 @@ def slurm_setup_lock():
         yield
 
 
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A private cluster registry for the test, so the user's real one is never touched."""
+    path = tmp_path / "registry"
+    monkeypatch.setenv("SHARDLAB_REGISTRY", str(path))
+    return path
+
+
 def _left_of_the_nodes() -> list[str]:
     """The two-node Slurm's namespaces, interfaces and mounts still there (after its stop: none)."""
     run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout  # noqa: E731

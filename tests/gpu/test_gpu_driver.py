@@ -15,11 +15,11 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 
 import notebook_runner
+from marked import marked_processes
 from shardlab.ranks import devices, launch, procs
 from shardlab.tools import bench, gpucheck, smoke
 
@@ -242,17 +242,6 @@ def test_torch_without_cuda_on_a_gpu_node_says_to_install_the_cuda_wheels(node, 
 # -- item 6: gpu-check's own design -------------------------------------------------------------------------------
 
 
-def _sleeping_children(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SHARDLAB_TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
-
-
 def test_a_row_past_the_deadline_is_stopped_with_its_processes_and_later_rows_are_not_run(monkeypatch, tmp_path):
     planned = gpucheck.plan
     monkeypatch.setattr(gpucheck, "plan", lambda gpus: [row | {"budget_s": 2} for row in planned(gpus)])
@@ -272,7 +261,7 @@ def test_a_row_past_the_deadline_is_stopped_with_its_processes_and_later_rows_ar
     assert ran[0]["status"] == "FAILED" and "stopped at --deadline-s 3" in ran[0]["result"]
     assert {r["status"] for r in ran[1:]} == {gpucheck.NO_TIME}
     assert "not run: its 2 s budget does not fit" in ran[1]["result"]
-    assert not _sleeping_children(marker)
+    assert not marked_processes(marker)
 
 
 def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
@@ -299,13 +288,13 @@ def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
                             text=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_sleeping_children(marker)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while len(marked_processes(marker)) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        assert len(_sleeping_children(marker)) == 2, proc.stderr.read() if proc.poll() is not None else ""
+        assert len(marked_processes(marker)) == 2, proc.stderr.read() if proc.poll() is not None else ""
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in stderr, stderr
-        assert not _sleeping_children(marker)
+        assert not marked_processes(marker)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 
+from marked import marked_processes
 from shardlab import flight, parity
 from shardlab.measure import timeline
 from shardlab.ranks import launch, procs
@@ -60,17 +60,6 @@ def test_every_new_row_has_a_bound_and_the_whole_run_keeps_the_sum_by_default():
         "transolver-parity"]["ranks"] == 3  # at the node's GPU count, odd too: points split unevenly
 
 
-def _children(marker: str) -> list:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SHARDLAB_TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    return found
-
-
 def test_a_row_past_its_own_bound_is_stopped_with_what_it_started_and_the_next_row_still_runs(monkeypatch):
     """The row's own time-out (passed to what it starts) is ignored here on purpose: gpu-check's own alarm must stop
     it at budget + OVERRUN_S, however long the run's deadline still is."""
@@ -92,7 +81,7 @@ def test_a_row_past_its_own_bound_is_stopped_with_what_it_started_and_the_next_r
     assert time.monotonic() - t0 < 20
     assert rows[0]["status"] == "FAILED" and rows[0]["result"].startswith("stopped 1 s past its own 1 s budget")
     assert rows[1]["status"] == "passed"
-    assert not _children(marker)
+    assert not marked_processes(marker)
 
 
 # -- how each new row is judged, on what CUDA ranks report ----------------------------------------------------------

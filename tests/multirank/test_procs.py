@@ -19,14 +19,6 @@ SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
 @pytest.fixture
-def registry(tmp_path, monkeypatch):
-    """A private registry for the test, so the user's real one is never touched."""
-    path = tmp_path / "registry"
-    monkeypatch.setenv("SHARDLAB_REGISTRY", str(path))
-    return path
-
-
-@pytest.fixture
 def sleeper():
     proc = subprocess.Popen(SLEEP)
     yield proc

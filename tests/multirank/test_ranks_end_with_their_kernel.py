@@ -27,14 +27,6 @@ ENDS_WITHIN_S = 10.0  # after the owner's death
 
 
 @pytest.fixture
-def registry(tmp_path, monkeypatch):
-    """A private registry for the test, so the user's real one is never touched."""
-    path = tmp_path / "registry"
-    monkeypatch.setenv("SHARDLAB_REGISTRY", str(path))
-    return path
-
-
-@pytest.fixture
 def started():
     """Popen of a process this test starts; each is killed and reaped at the end, whatever happened."""
     children: list[subprocess.Popen] = []
