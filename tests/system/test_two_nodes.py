@@ -174,7 +174,9 @@ def test_a_node_that_dies_mid_cell_is_named_and_the_rest_stop_cleanly(no_leftove
         summary = summarize_rank_errors(rank_errors(failed.value), sorted(hosts), hosts)
         assert ("rank(s) [2, 3] on node2 died: their engines stopped answering (every rank on node2: the node went "
                 "down, or all its processes were killed).") in summary, summary
-        assert "rank(s) [0, 1] timed out in a collective waiting for rank(s) [2, 3], which died." in summary
+        # each of 0 and 1 either times out or sees its connection to node2 close first, whichever gloo meets first
+        assert any(line.startswith("rank(s) [0, 1] timed out") and line.endswith(
+            "in a collective waiting for rank(s) [2, 3], which died.") for line in summary), summary
     finally:
         cluster.stop()
         back = subprocess.run(["bash", str(LOCAL_SLURM), "start", "--nodes", "2"], capture_output=True, text=True,

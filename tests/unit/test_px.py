@@ -56,6 +56,14 @@ def test_a_node_that_went_down_is_named_with_its_ranks_and_the_others_wait_for_t
     one = summarize_rank_errors(errors[:3] + [(3, "RuntimeError", GLOO_TIMEOUT)], [0, 1, 2, 3], hosts)
     assert "rank(s) [2] on node2 died: their engines stopped answering." in one
     assert summarize_rank_errors(errors, [0, 1, 2, 3])[4].startswith("rank(s) [2, 3] on an unknown node died")
+    # A rank whose peer's process vanished may see its connection close before its own time-out
+    closed = "Connection closed by peer [10.0.0.2]:6051. This is typically caused by a remote worker crashing."
+    cut = summarize_rank_errors([(0, "RuntimeError", closed)] + errors[1:], [0, 1, 2, 3], hosts)
+    assert cut[5] == ("rank(s) [0, 1] timed out or lost the connection in a collective waiting for rank(s) [2, 3], "
+                      "which died.")
+    # Without a death, a closed connection is a peer that left a collective: not counted as waiting
+    alive = summarize_rank_errors([(0, "RuntimeError", closed), (1, "RuntimeError", GLOO_TIMEOUT)], [0, 1, 2])
+    assert "rank(s) [1] timed out in a collective waiting for rank(s) [0, 2]" in alive[-1]
 
 
 def test_no_timeout_no_extra_line():

@@ -80,8 +80,12 @@ def test_ci_runs_the_readme_test_command_on_a_machine_it_may_set_up():
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("notebooks/*.ipynb")), ids=lambda p: p.name)
 def test_notebook_tells_a_wrong_kernel_what_to_pick(path):
+    """A kernel without shardlab stops at this line, and the traceback shows it, comment included."""
     first = next(c.source for c in nbformat.read(path, as_version=4).cells if "import shardlab" in c.source)
-    assert first.startswith("try:\n    import shardlab as sl\nexcept ModuleNotFoundError:")
+    line = first.splitlines()[0]
+    assert line.startswith("import shardlab as sl  # noqa: I001 - not found? Kernel > Change Kernel > "), line
+    kernel = re.search(r"^KERNEL_NAME := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f'"{kernel}"' in line  # the display name make lab installs the kernel under
 
 
 # -- README.md and docs/: every link, command and path they quote exists ------------------------------------------

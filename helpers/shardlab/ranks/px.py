@@ -18,6 +18,9 @@ from IPython import get_ipython
 from IPython.display import display
 
 _TIMEOUT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
+# What gloo raises on a rank whose peer's process vanished mid-collective (the node went down): it did not time out,
+# its connection went with the peer.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer", re.IGNORECASE)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+\.(cc|cpp|h):\d+\] ")
 _SOURCE_ANYWHERE = re.compile(r"\[[^\]]+\.(cc|cpp|h):\d+\] ")
 
@@ -55,6 +58,8 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int],
         if _TIMEOUT.search(f"{name} {message}") and "caused pair closure" not in message:  # an earlier time-out
             timed_out.append(rank)
     died = sorted(rank for rank, name, message in errors if name == "EngineError" and " died" in message)
+    cut_off = [rank for rank, _, message in sorted(errors)
+               if died and rank not in died + timed_out and _PEER_GONE.search(message or "")]
     hosts = hosts or {}
     for host in dict.fromkeys(hosts.get(rank, "an unknown node") for rank in died):
         here = [rank for rank in died if hosts.get(rank, "an unknown node") == host]
@@ -62,10 +67,12 @@ def summarize_rank_errors(errors: list[tuple[int, str, str]], ranks: list[int],
         lines.append(f"rank(s) {here} on {host} died: their engines stopped answering"
                      + (f" (every rank on {host}: the node went down, or all its processes were killed)." if whole
                         else "."))
-    if timed_out:
-        absent = [r for r in ranks if r not in timed_out]
+    if timed_out or cut_off:
+        waiting = sorted(timed_out + cut_off)
+        absent = [r for r in ranks if r not in waiting]
         if absent and set(absent) <= set(died):
-            lines.append(f"rank(s) {timed_out} timed out in a collective waiting for rank(s) {absent}, which died.")
+            how = "timed out" if not cut_off else "timed out or lost the connection"
+            lines.append(f"rank(s) {waiting} {how} in a collective waiting for rank(s) {absent}, which died.")
         elif absent:
             lines.append(
                 f"rank(s) {timed_out} timed out in a collective waiting for rank(s) {absent}, "
