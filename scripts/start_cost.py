@@ -3,9 +3,11 @@
 
 For each size, in one run, taken in turn so that a machine that gets busier or quieter affects each alike:
 
-- ``cluster``: a fresh ``sl.MPICluster(n, keep_warm=False).start()`` (controller, mpiexec, ipyparallel engines that
-  register, then every rank initialises DistributedManager, and imports ShardTensor), timed from the call until it
-  returns;
+- ``fork server``: a fresh ``sl.MPICluster(n, keep_warm=False).start()`` as it starts now (controller, mpiexec, each
+  rank's engine forked from a parent that imported PyTorch and PhysicsNeMo once, ``shardlab.ranks.forkserver``; then
+  every rank initialises DistributedManager, and imports ShardTensor), timed from the call until it returns;
+- ``cluster``: the same start without the fork server (``SHARDLAB_FORK_ENGINES=0``): every engine imports on its own,
+  the start before the fork server, and its fallback;
 - ``bare mpiexec``: ``mpiexec -n N python RANK_PROGRAM``, the launcher variables and thread limits ``run_job`` gives a
   job, where every rank runs ``sl.init_distributed`` and imports ShardTensor: timed from the launch until the last
   rank is ready (the latest of the ranks' clocks, which this machine shares), then held while its memory is read.
@@ -16,7 +18,7 @@ processes take together. The cluster's processes are those it recorded (controll
 nannies) and those marked with its id (its warden); the job's, the launcher and everything it started. The process
 that runs this script (a notebook kernel, for a learner) is in neither.
 
-Prints one table: seconds and GiB of each, and the cluster's ratio to the bare job. CPU ranks here rehearse the
+Prints one table: seconds and GiB of each, and each cluster's ratio to the bare job. CPU ranks here rehearse the
 start; on GPUs the same script measures theirs (CUDA ranks when every rank has a GPU, as ``sl.place_ranks`` decides).
 """
 
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from shardlab import quiet
-from shardlab.ranks import devices, launch, procs, programs, warden
+from shardlab.ranks import devices, forkserver, launch, procs, programs, warden
 from shardlab.ranks.cluster import MPICluster
 
 # What every rank of the bare job runs: the work a cluster's rank does to be ready, then it waits for the word to end.
@@ -77,13 +79,14 @@ def pss_gib(pids: list[int]) -> float:
     return kib / 2**20
 
 
-def cluster_start(n: int) -> dict:
-    """A fresh cluster of ``n`` ranks: seconds to start, PSS of its processes once started, how many."""
+def cluster_start(n: int, fork: bool = False) -> dict:
+    """A fresh cluster of ``n`` ranks (``fork``: its engines forked from a fork server; else each imports on its own):
+    seconds to start, PSS of its processes once started, how many."""
     cluster = MPICluster(n=n, keep_warm=False)
     said = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(said):
+        with contextlib.redirect_stdout(said), forking(fork):
             cluster.start()
         seconds = time.perf_counter() - t0
         pids = {p.pid for p in procs.alive(cluster._record.processes)}
@@ -92,6 +95,20 @@ def cluster_start(n: int) -> dict:
                 "device": cluster.device}
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def forking(on: bool):
+    """``SHARDLAB_FORK_ENGINES`` as ``on`` says while the body runs."""
+    before = os.environ.get(forkserver.FORK_ENGINES)
+    os.environ[forkserver.FORK_ENGINES] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[forkserver.FORK_ENGINES]
+        else:
+            os.environ[forkserver.FORK_ENGINES] = before
 
 
 def bare_job(n: int) -> dict:
@@ -129,7 +146,7 @@ def bare_job(n: int) -> dict:
     return {"seconds": seconds, "pss_gib": pss, "processes": len(pids), "device": placement.device}
 
 
-WAYS = {"cluster": cluster_start, "bare mpiexec": bare_job}
+WAYS = {"cluster": cluster_start, "fork server": lambda n: cluster_start(n, fork=True), "bare mpiexec": bare_job}
 
 
 def measure(sizes: list[int], repeats: int) -> list[dict]:
@@ -149,17 +166,25 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
 
 
 def table(rows: list[dict], repeats: int) -> str:
-    head = ("| ranks | cluster start s | bare mpiexec s | ratio | cluster PSS GiB | bare job PSS GiB | ratio "
-            "| cluster PSS per rank GiB | processes (cluster / bare) |")
+    """Seconds and PSS of each way, and each cluster's against the bare job's."""
+    clusters = [way for way in WAYS if way != "bare mpiexec"]
+    head = ("| ranks | " + " | ".join(f"{way} s" for way in WAYS) + " | "
+            + " | ".join(f"{way} / bare" for way in clusters) + " | "
+            + " | ".join(f"{way} PSS GiB" for way in WAYS) + " | " + " | ".join(f"{way} PSS / bare" for way in clusters)
+            + " | processes (" + " / ".join(WAYS) + ") |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
-        c, b = row["cluster"], row["bare mpiexec"]
-        lines.append(f"| {row['ranks']} {row['device'].upper()} | {c['seconds']:.1f} | {b['seconds']:.1f} | "
-                     f"{c['seconds'] / b['seconds']:.2f}x | {c['pss_gib']:.2f} | {b['pss_gib']:.2f} | "
-                     f"{c['pss_gib'] / b['pss_gib']:.2f}x | {c['pss_gib'] / row['ranks']:.2f} | "
-                     f"{c['processes']:.0f} / {b['processes']:.0f} |")
-    machine = f"{os.cpu_count()} CPU cores; median of {repeats} run(s) each, taken in turn"
-    return "\n".join(lines) + f"\n\n{machine}."
+        bare = row["bare mpiexec"]
+        cells = [f"{row['ranks']} {row['device'].upper()}"]
+        cells += [f"{row[way]['seconds']:.1f}" for way in WAYS]
+        cells += [f"{row[way]['seconds'] / bare['seconds']:.2f}x" for way in clusters]
+        cells += [f"{row[way]['pss_gib']:.2f}" for way in WAYS]
+        cells += [f"{row[way]['pss_gib'] / bare['pss_gib']:.2f}x" for way in clusters]
+        cells.append(" / ".join(f"{row[way]['processes']:.0f}" for way in WAYS))
+        lines.append("| " + " | ".join(cells) + " |")
+    machine = (f"{os.cpu_count()} CPU cores; median of {repeats} run(s) each, taken in turn. A cluster's PSS is all "
+               "that one learner's ranks hold (controller, launcher, engines, their nannies, the fork server).")
+    return "\n".join(lines) + f"\n\n{machine}"
 
 
 def main(argv: list[str] | None = None) -> int:

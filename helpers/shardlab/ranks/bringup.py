@@ -18,16 +18,19 @@ from pathlib import Path
 import ipyparallel as ipp
 import psutil
 
-from . import launch, procs, warden, warm
+from . import forkserver, launch, procs, warden, warm
 from .devices import threads_per_rank, usable_cores
 from .engines import ENGINE_CONFIG, EngineLauncher
 from .programs import CONTROLLER_PORTS, free_port, free_ports
 from .px import ClusterError, wait_for
 
-# The controller finishes an engine's registration at its first heartbeat: ipyparallel's default 3 s
-# period made every start wait up to 3 s for nothing (measured: a 4-rank start 17.8 s -> 13.8 s). The
-# controller drops an engine after 30 missed beats, the same 30 s of slack the default gave.
-HEARTBEAT_MS, HEARTBEAT_MISSES = 1000, 30
+# The controller finishes an engine's registration at the beat after the engine first answered one
+# (ipyparallel/controller/heartmonitor.py, ``beat``): one to two periods after the engine is ready. ipyparallel's
+# default 3 s period made every start wait that long for nothing (measured: a 4-rank start 17.8 s -> 13.8 s at 1 s;
+# with forked engines, ready 1.9 s before the controller counted them at 1 s, hence 250 ms). The controller drops an
+# engine after 120 missed beats, the same 30 s of slack the default gave; engines give up on a silent controller
+# after ENGINE_CONFIG's misses, 75 s as by default.
+HEARTBEAT_MS, HEARTBEAT_MISSES = 250, 120
 CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
                    f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 # The controller's ports come from CONTROLLER_PORTS, below the ephemeral range. Left to itself, ipyparallel 9.2 finds
@@ -105,7 +108,8 @@ def start_slot(say: Callable[[str], None] = lambda text: None, folder: str | Non
                 os.close(fd)
         if held is not None:
             break
-        holders = ", ".join(slot_holders(paths)) or "processes this user cannot see"
+        # a holder may let go between the flock and the read of /proc/locks: keep the last holders seen by name
+        holders = ", ".join(slot_holders(paths)) or holders or "processes this user cannot see"
         waited = time.monotonic() - t0
         if waited >= wait_s:
             print(f"shardlab: waited {waited:.0f} s for one of the {slots} start slot(s) in {folder} (held by "
@@ -190,12 +194,26 @@ def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, co
     options = launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
     warden.start(record, os.environ | procs.marked_environment() | pooled)  # the cluster ends with its owner
     options["environment"] |= pooled | warden.marked_environment(cluster_id)
+    start_fork_server(record, launcher, options)
     cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
                           controller_ip=controller_ip, controller_args=controller_arguments(), log_level=40)
     cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
                                                           | procs.marked_environment() | pooled
                                                           | warden.marked_environment(cluster_id))
     return cluster, record, options
+
+
+def start_fork_server(record: procs.Record, launcher: EngineLauncher, options: dict) -> None:
+    """Engines forked from a parent that imported PyTorch and PhysicsNeMo once (``forkserver``), where they can be:
+    the server is started (recorded: it stops with the cluster) and the launcher runs each rank's stub instead of
+    the engine. Else today's start, said in one line."""
+    if (why := forkserver.why_not(record.profile_dir, launcher.on_other_nodes)) is not None:
+        print(f"Engines start without a fork server, each importing PyTorch itself: {why}.")
+        return
+    launcher.fork_server = server = forkserver.start(record.profile_dir, os.environ | options["environment"])
+    record.processes = sorted(set(map(tuple, record.processes)) | {server})
+    record.save()
+    options["engine_cmd"] = [*forkserver.stub_command(record.profile_dir), "-m", "ipyparallel.engine"]
 
 
 def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:

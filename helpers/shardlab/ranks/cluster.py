@@ -24,12 +24,14 @@ Introduced in ``notebooks/01_launchers.ipynb``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import time
 import uuid
 from collections.abc import Sequence
 
 import ipyparallel as ipp
+import psutil
 
 from . import beacon, launch, procs, warm
 from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
@@ -81,6 +83,15 @@ def process_roles(states: list[dict], controller) -> dict[int, str]:
              for state in states for pid, _ in procs.process_tree(state["pid"])}
     for pid, _ in procs.process_tree(controller.process.pid) if getattr(controller, "process", None) else []:
         roles.setdefault(pid, "controller")
+    ranks = {state["pid"]: state["rank"] for state in states}
+    for state in states[:1]:  # forked engines' parent is the cluster's fork server (``forkserver``), their nannies'
+        with contextlib.suppress(psutil.Error):  # too, each named by its engine's pid (``forkchild.start_nanny``)
+            if "shardlab.ranks.forkserver" in (server := psutil.Process(state["pid"]).parent()).cmdline():
+                roles.setdefault(server.pid, "fork server")
+                for child in server.children():
+                    line = child.cmdline()
+                    if line[1:3] == ["-m", "ipyparallel.engine.nanny"] and line[3:] and line[3].isdigit():
+                        roles[child.pid] = f"rank {ranks.get(int(line[3]), '?')} engine (nanny)"
     return roles
 
 

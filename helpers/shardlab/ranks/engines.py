@@ -47,6 +47,7 @@ ENGINE_CONFIG = """\
 from shardlab.ranks.launch import detect_launch
 c.IPEngine.id = detect_launch().rank
 c.IPEngine.use_mpi = False
+c.IPEngine.max_heartbeat_misses = 100  # checked every 250 + 500 ms (bringup.HEARTBEAT_MS): 75 s, as by default
 """
 
 # An sbatch script of our own (ipyparallel's has no place for extra options): the engines are one job step whose
@@ -97,6 +98,7 @@ class EngineLauncher:
     def __init__(self, n: int, environment: Mapping[str, str]):
         self.n, self.environment = n, dict(environment)
         self.engine_sets: list = []
+        self.fork_server: tuple[int, float] | None = None  # (pid, start time) of the engines' parent, if forked
 
     def command(self) -> list[str]:
         """The launcher program and its options, before ``-n N`` and the engine program (ipyparallel adds those)."""
@@ -127,9 +129,11 @@ class EngineLauncher:
                    and not procs.running(es.process.pid) for es in self.engine_sets)
 
     def processes(self) -> list[tuple[int, float]]:
-        """(pid, creation time) of the launcher's processes on this node and their children."""
-        return [p for es in self.engine_sets if getattr(es, "process", None) is not None
-                for p in procs.process_tree(es.process.pid)]
+        """(pid, creation time) of the launcher's processes on this node and their children, and the fork server's."""
+        forked = [p for server in procs.alive([self.fork_server] if self.fork_server else [])  # engines, nannies
+                  for p in procs.process_tree(server.pid)]
+        return forked + [p for es in self.engine_sets if getattr(es, "process", None) is not None
+                         for p in procs.process_tree(es.process.pid)]
 
     def jobs(self) -> list[str]:
         """Ids of the Slurm jobs this launcher submitted (none but sbatch's)."""

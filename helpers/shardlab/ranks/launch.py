@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from .. import flight, workarounds
-from . import devices, procs
+from . import devices, forkserver, procs
 from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
 # find_mpiexec and torchrun_command are here for callers of sl.ranks.launch: notebook 08, and the planner's two launches
@@ -240,13 +240,15 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         check_ranks_per_core(n, usable_cores())
     with job_folder(launcher) as logs:
         result_file = Path(logs, "result.json")
-        cmd = job_command(launcher, n, *program, *args, log_dir=logs)
+        cmd = job_command(launcher, n, *program, *args, log_dir=logs)  # what it runs, as JobResult.command shows it
         session = mpi_session_environment(logs)  # OpenMPI's session folder goes with the log folder
         own_temp = NODE_OWN_TEMP if launcher == "slurm" else {}  # a Slurm job's ranks may run on other nodes
         job_env = job_environment(**(mpi_environment() | session | threads | hidden | own_temp | dict(env or {})))
         job_env[RESULT_FILE] = str(result_file)
         t0 = time.perf_counter()
-        proc = procs.run_process_group(cmd, job_env, timeout_s, what, capture=not show_output)
+        with forkserver.for_job(launcher, logs, job_env) as stub:  # ranks forked from one imported parent
+            forked = job_command(launcher, n, *stub, *program, *args, log_dir=logs) if stub else cmd
+            proc = procs.run_process_group(forked, job_env, timeout_s, what, capture=not show_output)
         seconds = time.perf_counter() - t0
         result = json.loads(result_file.read_text()) if result_file.exists() else None
     if proc.returncode and (check or result is None):

@@ -35,9 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
-from . import beacon, devices, launch, procs, warden
+from . import beacon, devices, forkchild, launch, procs, warden
 
 POOL = "SHARDLAB_WARM_POOL"
 SETTINGS = "pool-settings"
@@ -258,7 +256,7 @@ def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dic
         _SERIES_STATE["_enable_shard_patches"] = getattr(ShardTensor, "_enable_shard_patches", None)
         _SERIES_STATE["rng"] = torch.random.get_rng_state()
         _SERIES_STATE["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        _SERIES_STATE["environ"] = psutil.Process().environ()
+        _SERIES_STATE["environ"] = forkchild.started_environment()  # a forked rank's: its launcher's
     return state
 
 
