@@ -16,19 +16,24 @@ import, including those inside functions, against this list.
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place); ``quiet``
    (upstream messages the series knows are harmless, silenced where they start: installed at import, below);
    ``progress`` (each check's result, for the instructor's class view, where one is set up); ``answers`` (the
-   exercises' reference answers, found by name)
+   exercises' reference answers, found by name); ``ranks.forkstub``, ``ranks.forkchild`` (what the launcher starts
+   for a rank when a fork server runs, and what a forked child does to become that rank's engine)
 1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
    processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
+1b. ``ranks.forkserver`` (engines and job ranks forked from one parent that imported PyTorch and PhysicsNeMo once)
 2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
    engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
    ``scatter_tensor`` splits rows, which ``data`` reads slabs by); ``ranks.beacon`` (each rank's state, written
    for the rank panel); ``ranks.warden`` (a cluster ends with the process that owns it)
-3. ``data``, ``models``, ``levers``; ``ranks.warm`` (ranks kept for the next notebook, their reset, and
-   ``init_rank``, what every engine runs first); ``ranks.panel`` (every rank's state, live, in the notebook)
-4. ``train``; ``ranks.bringup`` (a cluster's ranks brought up, fresh or taken over)
+3. ``data`` (the Darcy samples and their scaling, the sampler, field stores written and read, and the batch sources
+   a ``Trainer`` loads from: ``shardlab/data/__init__.py``), ``models``, ``levers``; ``ranks.warm`` (ranks kept for
+   the next notebook, their reset, and ``init_rank``, what every engine runs first); ``ranks.panel`` (every rank's
+   state, live, in the notebook)
+4. ``train``, ``points`` (point clouds for PhysicsNeMo's point models); ``ranks.bringup`` (a cluster's ranks brought
+   up, fresh or taken over)
 5. ``measure`` (also ``python -m shardlab.measure``), ``plot``, ``checkpoints`` (a training run's state written
-   in parts and loaded into another layout), ``points`` (point clouds for PhysicsNeMo's point models)
+   in parts and loaded into another layout)
 6. ``ranks.cluster`` (the ipyparallel cluster behind ``%%px``), ``check``, ``plan`` (also ``python -m shardlab.plan``),
    ``audit`` (a model's communication module by module, and what ShardTensor could not shard)
 7. ``exercises``: one module of judges per notebook; ``parity`` (any model on the ranks against one process)
@@ -50,12 +55,13 @@ import importlib
 
 LAYERS = (
     ("nodelist",),
-    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers"),
+    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers", "ranks.forkstub", "ranks.forkchild"),
     ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
+    ("ranks.forkserver",),
     ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon", "ranks.warden"),
     ("data", "models", "levers", "ranks.warm", "ranks.panel"),
-    ("train", "ranks.bringup"),
-    ("measure", "plot", "checkpoints", "points"),
+    ("train", "points", "ranks.bringup"),
+    ("measure", "plot", "checkpoints"),
     ("ranks.cluster", "check", "plan", "audit"),
     ("exercises", "parity"),
     ("tools.smoke", "tools.bench", "tools.handout", "tools.class_view", "model_cases"),

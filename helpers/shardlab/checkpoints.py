@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from .train import average_gradients_by_hand, sample_index
+from .data import sample_index
+from .train import average_gradients_by_hand
 
 METADATA = ".metadata"  # what DCP's FileSystemWriter writes last (filesystem.py, _metadata_fn)
 SHOWN = 4  # names shown in an error before "and N more"

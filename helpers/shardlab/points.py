@@ -4,7 +4,7 @@ domain ranks along the points, for PhysicsNeMo's point-cloud models (``models.tr
 Why Darcy at points: the series already has the samples (``data.load_darcy``, solved deterministically), and a set
 of grid cells drawn from a seed is an irregular point cloud whose truth is known at every point, with no mesh
 generator to install. Each point carries the scaled permeability there (its feature), its coordinates in [0, 1)
-(the model's embedding) and the scaled pressure (the target), scaled as ``train.normalized_darcy`` scales fields.
+(the model's embedding) and the scaled pressure (the target), scaled as ``data.normalized_darcy`` scales fields.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import workarounds
-from .data import load_darcy
-from .train import darcy_scaling
+from .data import darcy_scaling, load_darcy
 
 
 class PointError(ValueError):

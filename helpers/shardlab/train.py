@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from .data import FIELDS, load_darcy, open_store, read_slab, write_darcy_store
+from . import data
 from .levers import NO_LEVERS, Levers, is_checkpointed, use_checkpointing
 from .mesh import domain_source
 
@@ -29,30 +29,6 @@ from .mesh import domain_source
 # (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
 
 WRAPPERS = ("none", "ddp", "fsdp2")
-LOADINGS = ("scatter", "slab")
-
-
-def normalized_darcy(samples: int | None = None, split: str = "train", dtype: torch.dtype = torch.float32) -> tuple:
-    """(inputs, targets) of shape (N, 1, H, W) of a split (``sl.data.load_darcy``): permeability centred and scaled,
-    pressure scaled to O(1), both with the training split's statistics, so a held-out sample is scaled as the
-    model's training samples were and tells it nothing about itself."""
-    train = load_darcy(split="train")
-    data = train if split == "train" and samples is None else load_darcy(samples=samples, split=split)
-    return darcy_scaling(train)(data["permeability"], data["pressure"], dtype)
-
-
-def darcy_scaling(train: dict | None = None):
-    """``scale(permeability, pressure, dtype)``: ``normalized_darcy``'s pointwise scaling, with the training split's
-    statistics, so that a slab of a sample is scaled exactly as the whole sample is."""
-    train = train if train is not None else load_darcy(split="train")
-    mean, std, p_max = train["permeability"].mean(), train["permeability"].std(), train["pressure"].abs().max()
-    return lambda k, p, dtype=torch.float32: (((k - mean) / std).to(dtype), (p / p_max).to(dtype))
-
-
-def sample_index(step: int, ddp_size: int, replica: int, n_samples: int) -> int:
-    """The sample ddp replica ``replica`` trains on at ``step``: each step takes the next ddp_size of the
-    ``n_samples`` training samples, one per domain group, and a long run goes round them again."""
-    return (step * ddp_size + replica) % n_samples
 
 
 def decayed_lr(lr: float, step: int, steps: int) -> float:
@@ -201,30 +177,25 @@ class Trainer:
     """A surrogate training on a (ddp, domain) mesh one step at a time; rank-local state, same calls on every rank.
 
     Step s gives ddp replica i the training sample ``sample_index(s, ddp_size, i, n_samples)`` (batch 1 per domain
-    group); ``step()`` returns the global mean loss, identical on every rank. ``loading``: "scatter" (the domain
-    group's first rank holds the sample and ``scatter_tensor`` sends each rank its rows) or "slab" (each rank reads
-    only its rows from the Darcy store ``store``, ``sl.data.write_darcy_store()`` by default: no communication).
+    group); ``step()`` returns the global mean loss, identical on every rank. ``source``: where a rank gets its
+    sample, a batch source of ``sl.data`` (``ScatterSource``: scattered from the domain group's first rank;
+    ``SlabSource``: each rank reads only its rows from a store, no communication). ``samples=(inputs, targets)``
+    is short for ``source=sl.data.ScatterSource(inputs, targets)``; neither: the Darcy training split, scattered.
     """
 
     def __init__(self, model, mesh, how: str, lr: float = 1e-3, samples=None, levers: Levers = NO_LEVERS,
-                 loading: str = "scatter", store=None):
+                 source=None):
         self.device = next(model.parameters()).device
         if self.device.type != mesh.device_type:
             raise ValueError(f"the model is on {self.device.type} but the mesh on {mesh.device_type}: move the model "
                              "to this rank's device first, model.to(device).")
-        if loading not in LOADINGS or (loading == "slab" and samples is not None):
-            raise ValueError(f"loading={loading!r} with samples={'given' if samples is not None else None}: use one of "
-                             f"{LOADINGS}; slab loading reads the Darcy store, so pass store=, not samples=.")
-        self.mesh, self.how, self.loading = mesh, how, loading
-        if loading == "slab":
-            self.store, self.scale = open_store(store if store is not None else write_darcy_store()), darcy_scaling()
-            self.first = self.store.params.get("held_out", 0)  # the store holds every sample, held-out first
-            self.n_samples = self.store.field("permeability").shape[0] - self.first
-        else:
-            self.inputs, self.targets = samples if samples is not None else normalized_darcy()
-            self.n_samples = len(self.inputs)
+        if samples is not None and source is not None:
+            raise ValueError("samples= and source= both given: samples=(inputs, targets) is short for "
+                             "source=sl.data.ScatterSource(inputs, targets); pass one of them.")
+        self.mesh, self.how = mesh, how
+        self.source = source if source is not None else data.ScatterSource(*(samples if samples is not None else ()))
+        self.n_samples = len(self.source)
         self.ddp_size, self.replica = mesh["ddp"].size(), mesh.get_coordinate()[0]
-        self.src = domain_source(mesh)
         self.levers = levers
         self.model = wrap(model, mesh, how, levers)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
@@ -233,27 +204,11 @@ class Trainer:
 
     def batch(self, step: int):
         """This rank's (input, target) for a step: a domain-sharded ShardTensor when domain > 1."""
-        return self.sample(sample_index(step, self.ddp_size, self.replica, self.n_samples))
+        return self.sample(data.sample_index(step, self.ddp_size, self.replica, self.n_samples))
 
     def sample(self, i: int):
-        """Training sample ``i`` as this rank loads it (``loading``): a domain-sharded ShardTensor when domain > 1."""
-        from physicsnemo.domain_parallel import scatter_tensor
-
-        if self.loading == "slab":
-            return self.slab_batch(i)
-        # A copy on CPU ranks too, as .to(cuda) makes on a GPU: the step's bytes are then the same on both.
-        x, y = self.inputs[i : i + 1].to(self.device, copy=True), self.targets[i : i + 1].to(self.device, copy=True)
-        if self.mesh["domain"].size() > 1:
-            x = scatter_tensor(x, self.src, self.mesh["domain"], (Shard(2),))
-            y = scatter_tensor(y, self.src, self.mesh["domain"], (Shard(2),))
-        return x, y
-
-    def slab_batch(self, i: int):
-        """Training sample ``i``, this rank's rows of it only, read from the store and scaled on the rank."""
-        k, p = (read_slab(self.store, self.first + i, self.mesh, field=name).tensor for name in FIELDS)
-        if self.mesh["domain"].size() == 1:  # a plain tensor, as scatter mode gives
-            k, p = k.to_local(), p.to_local()
-        return self.scale(k, p)
+        """Training sample ``i`` as this rank gets it from its ``source``."""
+        return self.source.sample(i, self.mesh, self.device)
 
     def step(self) -> float:
         """One training step (``training_step``)."""
@@ -323,12 +278,12 @@ def train_one_process(model, steps: int, ddp_size: int, lr: float = 1e-3, sample
     model's device. ``decay``: the learning rate of each step is ``decayed_lr(lr, step, steps)``. ``optimizer`` and
     ``first``: a run resumed at step ``first`` with the optimizer (and its state) it had."""
     device = next(model.parameters()).device
-    inputs, targets = samples if samples is not None else normalized_darcy()
+    inputs, targets = samples if samples is not None else data.normalized_darcy()
     inputs, targets = inputs.to(device), targets.to(device)
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(first, first + steps):
-        batch = [sample_index(step, ddp_size, replica, len(inputs)) for replica in range(ddp_size)]
+        batch = [data.sample_index(step, ddp_size, replica, len(inputs)) for replica in range(ddp_size)]
         x, y = inputs[batch], targets[batch]
         if decay:
             for group in optimizer.param_groups:

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ..check import Watch, case_generator, earlier_object, second_hint
+from ..data import normalized_darcy
 from ..measure import strict_fp32
 from ..models import conv_stack
 from ..ranks.launch import default_device
-from ..train import normalized_darcy, wrap
+from ..train import wrap
 
 
 def judged_shape(draw: random.Random, ddp_size: int) -> dict:

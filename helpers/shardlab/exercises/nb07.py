@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from .. import train
+from .. import data, train
 from ..check import Watch, case_generator, second_hint
 from ..mesh import MESH_AXES
 from ..models import conv_stack
@@ -56,7 +56,7 @@ def _max_weight_difference(a, b) -> float:
 def _judged_data() -> tuple:
     """Samples the notebook never names: a few training samples from the end of the split, in reverse order, in
     float64 as the notebook's (so a step that reads the notebook's own data fails on its numbers, not its dtype)."""
-    inputs, targets = train.normalized_darcy(dtype=torch.float64)
+    inputs, targets = data.normalized_darcy(dtype=torch.float64)
     return inputs[-JUDGED_SAMPLES:].flip(0).clone(), targets[-JUDGED_SAMPLES:].flip(0).clone()
 
 
@@ -95,7 +95,7 @@ def step_matches_trainer(train_step, mesh, how, lr):
             with _watching((train.Trainer, "step", "sl.train.Trainer.step"),
                            (train.Trainer, "batch", "sl.train.Trainer.batch"),
                            (train, "wrap", "sl.train.wrap"),
-                           (train, "sample_index", "sl.train.sample_index")) as watch:
+                           (data, "sample_index", "sl.data.sample_index")) as watch:
                 got.append(train_step(model, optimizer, mesh, inputs, targets, step))
             if problem := _library_calls([e.name for e in watch.calls()], "is the answer key's own step"):
                 return problem
@@ -297,7 +297,7 @@ def samples_of_step(samples_in_step, mesh):
     """Exercise 3: ``samples_in_step(step, mesh, n_samples)`` returns, on every rank, the sorted list of the samples
     whose gradients went into optimizer step ``step``, gathered from what each rank trained on. The judge asks for
     steps the notebook never ran, with a number of samples of its own, on its mesh and on a mesh of another
-    shape; each call must gather from the ranks, and not call ``sl.train.sample_index``, the rule it rebuilds."""
+    shape; each call must gather from the ranks, and not call ``sl.data.sample_index``, the rule it rebuilds."""
     if not callable(samples_in_step):
         return (f"samples_in_step is a {type(samples_in_step).__name__}: define a function "
                 "samples_in_step(step, mesh, n_samples)")
@@ -307,7 +307,7 @@ def samples_of_step(samples_in_step, mesh):
     for judged_mesh in (mesh, _mesh_of_another_shape(mesh)):
         ddp = judged_mesh["ddp"].size()
         for step in steps:
-            with _watching((train, "sample_index", "sl.train.sample_index"),
+            with _watching((data, "sample_index", "sl.data.sample_index"),
                            (dist, "all_gather_object", "gathered"), (dist, "all_gather", "gathered (tensors)"),
                            (dist, "all_gather_single", "gathered (one tensor)"),
                            (dist, "all_gather_into_tensor", "gathered (one tensor)")) as watch:

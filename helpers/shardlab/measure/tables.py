@@ -205,8 +205,9 @@ def timeline_table(args) -> dict:
     from torch.distributed.tensor import Shard
     from torch.profiler import record_function
 
+    from ..data import normalized_darcy, sample_index
     from ..mesh import domain_source
-    from ..train import normalized_darcy, sample_index, wrap
+    from ..train import wrap
 
     state = init_distributed(args.timeout)
     device = torch.device(state.device)

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from ..models import conv_stack
+from ..report import fmt_bytes  # noqa: F401 - re-exported: sl.plan.fmt_bytes
 
 GiB, MiB = 1024**3, 1024**2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -72,14 +73,6 @@ def parse_size(text: str | float | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"GPU memory {text!r}: write it like 80GiB, 40GB or 24G, or name one of {list(GPUS)}.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes in the unit that reads best: ``1.50 GiB``, ``12.3 MiB``, ``640 B``."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}" if abs(n) < 100 * scale else f"{n / scale:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 def conv_model(dims: int = 2, width: int = 16, depth: int = 3, kernel_size: int = 3, device="meta"):

@@ -105,8 +105,9 @@ def measure_rank(model, mesh, wrapper: str, samples=None, shard_dim: int = 2, le
 def _measure_rank(model, mesh, wrapper, samples, shard_dim, levers) -> RankBytes:
     import torch.distributed as dist
 
+    from ..data import normalized_darcy
     from ..measure import AllocatorPeak, SavedActivations, state_bytes
-    from ..train import Trainer, fsdp_units, normalized_darcy
+    from ..train import Trainer, fsdp_units
 
     samples = normalized_darcy() if samples is None else samples  # host data: loaded before the peak is counted
     # The model's storages: bytes held from the start, whose frees (FSDP2 frees the full parameters it shards) count.
@@ -136,7 +137,7 @@ def _measure_rank(model, mesh, wrapper, samples, shard_dim, levers) -> RankBytes
         for h in hooks:
             h.remove()
     domain = mesh["domain"].size()
-    _, start, stop = shard_bounds(trainer.inputs.shape[shard_dim], domain)[mesh.get_coordinate()[1]]
+    _, start, stop = shard_bounds(samples[0].shape[shard_dim], domain)[mesh.get_coordinate()[1]]
     own = stop - start if domain > 1 else 0
     halos = sum(size * (shape[shard_dim] - own) / shape[shard_dim] for shape, size in saved.counted
                 if len(shape) > shard_dim and shape[shard_dim] > own > 0)

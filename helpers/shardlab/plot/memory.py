@@ -1,4 +1,5 @@
-"""Bytes per rank and category: stacked bars, predicted against measured, and ratios over mesh sizes. Byte figures
+"""Bytes per rank and category: stacked bars, predicted against measured, and ratios over mesh sizes; the lessons'
+memory figures built from what the ranks measured (``wrapper_memory``: notebook 05, ``loading_bars``: 12). Byte figures
 share one unit per figure, picked to suit it (``_base._units``), and label in plain numbers (``_base._plain``)."""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ import textwrap
 import numpy as np
 from matplotlib.patches import Patch
 
-from ._base import _category_colour, _figure_and_axes, _plain, _plain_ticks, _units
+from ..report import largest_rank
+from ._base import _category_colour, _figure_and_axes, _new_figure, _plain, _plain_ticks, _units
 
 
 def _stacked(ax, x, stacks: list[dict], categories: list, scale: float, width: float, **style):
@@ -161,3 +163,46 @@ def ratio_curve(sizes, measured, ideal, xlabel="domain ranks N", ylabel="bytes p
     ax.legend(fontsize=9)
     return fig
 
+
+def wrapper_memory(memory: list[dict], ddp_size: int, peaks: list[dict] | None = None, title: str | None = None):
+    """Notebook 05's bars, a bar per rank and wrapper: the state (parameters, gradients, Adam state, FSDP2's padding)
+    with a mark at DDP's bytes / ddp (DDP replicates, FSDP2 divides); the same with one sample's activations; and,
+    given ``peaks``, the allocator's measured peak per GPU with the byte model marked. ``memory``: each rank's
+    {"DDP"/"FSDP2": {category: bytes}}; ``peaks``: each rank's {wrapper: {"peak above start": bytes}}."""
+    full = {f"{name}\nrank {r}": parts for r, setups in enumerate(memory) for name, parts in setups.items()}
+    state = {label: {k: v for k, v in parts.items() if k != "activations"} for label, parts in full.items()}
+    ideal = {f"{name}\nrank {r}": sum(state[f"DDP\nrank {r}"].values()) / (1 if name == "DDP" else ddp_size)
+             for r, setups in enumerate(memory) for name in setups}
+    fig = _new_figure(figsize=(min(14, max(7, 1.3 * len(state))), 10 if peaks else 7))
+    axes = fig.subplots(3 if peaks else 2, 1, squeeze=False)[:, 0]
+    memory_bars(state, ideal=ideal, unit="KiB", ax=axes[0],
+                title="byte model: parameters + gradients + Adam state (+ FSDP2 padding); mark: DDP's / ddp")
+    memory_bars(full, unit="KiB", ax=axes[1], title="byte model: ... and the activations of one sample")
+    if peaks:
+        measured = {f"{name}\nrank {r}": {"CUDA peak above start (measured)": p[name]["peak above start"]}
+                    for r, p in enumerate(peaks) for name in memory[r]}
+        memory_bars(measured, ideal={label: sum(parts.values()) for label, parts in full.items()}, unit="KiB",
+                    ax=axes[2], title="measured on the GPUs: CUDA allocator peak during training, per GPU (mark: the "
+                                      "byte model above)")
+    if title:
+        fig.suptitle(title, fontsize=11 if peaks else 9)
+    return fig
+
+
+def loading_bars(loading: list[dict], fields: int):
+    """Notebook 12's bars: per domain size N and way of loading, what the largest rank held after loading one sample's
+    ``fields`` bytes and how much more at the host's peak during the load, with a mark at 1/N of the fields.
+    ``loading``: each rank's {N: {way: measurement}} (``sl.measure.measure_loading``)."""
+    bars, ideal, peaks = {}, {}, {}
+    for d, ways in loading[0].items():
+        for way in ways:
+            top, label = largest_rank([per_rank[d][way] for per_rank in loading]), f"N={d}\n{way}"
+            bars[label] = {"held after": top["held after"],
+                           "more at the peak": max(0, (top["host peak"] or top["held after"]) - top["held after"])}
+            ideal[label] = fields // d
+            if top["host peak"] is not None:
+                peaks[label] = top["host peak"]
+    return memory_bars(bars, ideal=ideal, peaks=peaks, ideal_label="1/N of the fields",
+                       peak_label="host peak (measured)",
+                       title="one sample's two fields loaded, the largest rank: held after, and the host peak during "
+                             "the load")

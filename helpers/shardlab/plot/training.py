@@ -1,5 +1,5 @@
 """The capstone's dashboard: a held-out sample, the prediction and its error beside the training curves; a point
-cloud drawn by value and by the rank that held each point (notebook 13)."""
+cloud drawn by value and by the rank that held each point, given whole or as each rank's part (notebook 13)."""
 
 from __future__ import annotations
 
@@ -123,3 +123,13 @@ def points_by_rank(coords, ranks, panels: dict | None = None, title: str | None 
     if title:
         fig.suptitle(title)
     return fig
+
+
+def points_of_ranks(per_rank: list[dict], panels: dict | None = None, title: str | None = None):
+    """``points_by_rank`` of a cloud pulled from the ranks: ``per_rank`` holds each rank's dict, its points'
+    ``"coords"`` and a value per point under each key that ``panels`` ({panel title: key}) names."""
+    coords = np.concatenate([np.asarray(mine["coords"], dtype=float).reshape(-1, 2) for mine in per_rank])
+    ranks = np.concatenate([[r] * len(mine["coords"]) for r, mine in enumerate(per_rank)])
+    values = {name: np.concatenate([np.asarray(mine[key]).reshape(-1) for mine in per_rank])
+              for name, key in (panels or {}).items()}
+    return points_by_rank(coords, ranks, values, title)
