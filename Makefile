@@ -140,7 +140,7 @@ lab: $(STAMP)
 		$(VENV)/bin/jupyter lab $(LAB_DIR:%/=%)/ $(if $(filter 0,$(shell id -u)),--allow-root) $(strip $(LAB_OPTIONS)) \
 		$(LAB_LEFT_OUT) --KernelManager.transport_encryption=auto $(LAB_ARGS)
 
-# The folders of .state/ that make exports, one `NAME=value` a line (tests/system/test_home.py runs with them).
+# The folders of .state/ that make exports, one `NAME=value` a line (tests/unit/test_home.py runs with them).
 print-env:
 	@$(foreach v,JUPYTER_CONFIG_DIR JUPYTER_DATA_DIR JUPYTER_RUNTIME_DIR JUPYTERLAB_SETTINGS_DIR \
 		JUPYTERLAB_WORKSPACES_DIR IPYTHONDIR MPLCONFIGDIR WARP_CACHE_PATH TRITON_HOME CUDA_CACHE_PATH PIP_CACHE_DIR \

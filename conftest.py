@@ -50,6 +50,7 @@ SESSION_ORIGIN = os.environ[procs.ORIGIN]
 sys.path.insert(0, str(Path(__file__).parent / "tests" / "support"))  # what the tests share
 import fresh_python as fresh_python_module  # noqa: E402
 import machine_changes  # noqa: E402
+import tiers  # noqa: E402
 
 collect_ignore_glob = ["tests/fixtures/*"]  # meant to fail: tests/notebooks/test_negative_notebooks.py runs them
 CATEGORIES = ("unit", "multirank", "notebook", "browser", "bench", "gpu")
@@ -253,6 +254,10 @@ def pytest_collection_modifyitems(config, items):
         if not marked:
             if "no_leftovers" in getattr(item, "fixturenames", ()):
                 raise pytest.UsageError(f"{item.nodeid} starts processes: mark it multirank, notebook, browser "
+                                        "or bench")
+            if tiers.in_a_slow_folder(item.path):
+                raise pytest.UsageError(f"{item.nodeid} is a unit test (no ranks, seconds) in a folder of slower "
+                                        "tests: move it to tests/unit/, or mark it multirank, notebook, browser "
                                         "or bench")
             item.add_marker(pytest.mark.unit)
     # The slowest kinds first: with several workers, the run then ends on short tests, not on one long tail. Among

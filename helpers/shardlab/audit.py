@@ -5,33 +5,7 @@ forward and backward; which operations ShardTensor had no handler for and gather
     result.table(); result.findings(); result.clean
 
 Call it on every rank together: it runs one forward and one backward, as training would (the model's gradients are
-put back as they were). Bytes are those this rank hands to each collective, as ``measure.collectives`` counts them.
-How each column is taken (PhysicsNeMo 2.2.2, torch 2.14):
-
-- collectives: the series' recorder (``measure.collectives``), handing DTensor and ShardTensor ops to the subclass
-  first so that DTensor's own redistributions are seen too. Forward: counted under the innermost module running
-  (hooks on every module). Backward: under the module whose forward created the autograd node running
-  (``torch._C._current_autograd_node``; each module call's forward spans a range of node sequence numbers). Nothing
-  hooks a ShardTensor output. ``CommDebugMode`` counts collectives per op and module too (lesson 08 runs it on
-  ShardTensor convolutions with torch 2.14.1), but not the bytes each rank hands over, which the audit reports.
-  A backward collective of a node no module created counts under the whole model, and its row says so.
-- unpatched: PhysicsNeMo reports none of its fallbacks. An op without a ShardTensor handler goes to
-  ``_torch_function_fallback_via_dtensor`` or ``_dispatch_fallback_via_dtensor`` (``domain_parallel/shard_tensor.py``),
-  which hand it to DTensor; the audit wraps both for its length, wherever PhysicsNeMo's modules hold them. Most
-  fallbacks are harmless: DTensor computes the op on each shard, or sums partial results (an all-reduce, as a
-  handler would). An op is listed when DTensor moved sharded data for it (an all-gather or an all-to-all).
-- promoted: plain tensors that met a ShardTensor and were made Replicate (a module's weights, usually: their
-  gradients are then all-reduced), counted from the warnings of PhysicsNeMo's own ``TensorPromotionMode.WARN``
-  (the audit turns SILENT, the default, into WARN for its length; DISABLED stays DISABLED).
-- replicated outputs: the module's input was sharded, an all-gather ran inside it, and every distributed tensor it
-  returned is Replicate: a silent gather. Only the innermost such module is marked; a reduction over the sharded
-  axis (a mean over the points) all-reduces instead, and is not a gather.
-- whole on every rank: a plain tensor added to, multiplied with or concatenated to a ShardTensor (ops with no
-  handler: DTensor's fallback promotes it to Replicate, ``_convert_args_to_dtensor``) and as long as the field along
-  the split dim: every rank holds all of it, where its own slab would do. Only such elementwise ops count: a weight
-  that meets the field in a contraction (an einsum over channels split by a fallback) is no part of the field. A
-  parameter or buffer of the model is named (a positional table: shard it on ``domain``); anything else is an
-  activation the model built whole on every rank (FNO's coordinate grid). Nothing moves, so no collective shows it.
+put back as they were). How each column is taken: docs/harness.md#how-each-column-is-taken.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Which collectives each rank entered, from torch's Flight Recorder, and where the ranks' sequences part.
 
-torch numbers the collectives of every process group on every rank (``collective_seq_id``) and keeps the last ones in
-a ring buffer, **on by default**: ``FlightRecorder``'s constructor reads ``TORCH_FR_BUFFER_SIZE`` (or
-``TORCH_NCCL_TRACE_BUFFER_SIZE``) with a default of 2,000 entries and records whenever that is above 0
-(torch/csrc/distributed/c10d/FlightRecorder.hpp, lines 106-114, torch 2.14.1). ``sl.init_distributed`` only shrinks
-the buffer to ``BUFFER_ENTRIES`` (the live panel reads it while ranks run, at a cost in proportion to its size).
-
-There are two recorders, one per event type of the same template (``FlightRecorder<EventType>::get()``, same header,
-line 99): gloo's collectives (and any backend routed through c10d's hooks, hooks/FlightRecorderHook.hpp, lines 8-14)
-go to ``FlightRecorder<c10::Event>``, dumped by ``_dump_fr_trace_json``; NCCL's go to
-``FlightRecorder<c10::cuda::CUDAEvent>``, dumped only by ``_dump_nccl_trace_json``. ``entered()`` reads both, so a hang
-reads the same way on every backend: the ranks that entered collective #k of a group wait for the members whose last
-one there is below #k. ``sl.ranks.panel`` shows it live; ``notebooks/14_see_every_rank.ipynb`` reads it after a hang,
-beside torch's own analyzer (``torch.distributed.flight_recorder``, ``torchfrtrace``), which reads ``dump()``'s files.
+``entered()`` reads, on a rank, the last collective each of its groups entered, from both of torch's recorders (gloo's
+and NCCL's), so a hang reads the same on every backend; ``sl.ranks.panel`` shows it live, notebook 14 after a hang.
+Where torch keeps the records and why both recorders are read: docs/errors.md#which-collectives-each-rank-entered.
 
 No shardlab imports; torch loads only on a rank, in ``entered()`` and ``dump()``.
 """

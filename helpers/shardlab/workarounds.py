@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import psutil
 
-from .nodelist import expand_nodelist  # noqa: F401  (read here by tests/system/test_slurm_nodes.py)
+from .nodelist import expand_nodelist  # noqa: F401  (read here by tests/unit/test_slurm_nodes.py)
 
 
 @contextlib.contextmanager
@@ -56,50 +56,12 @@ def nccl_settings(env=None) -> dict[str, str]:
 
 @contextlib.contextmanager
 def nccl_errors_raise():
-    """Make a collective that a rank never joins end in an error soon after the group's timeout on NCCL, not a hang,
-    and leave the process alive.
+    """Make a collective that a rank never joins raise soon after the group's timeout on NCCL, not hang, and keep the
+    process alive. Wrap the creation of the process group in it (``DistributedManager.initialize()`` included, which
+    sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` just before): ``nccl_settings()`` is applied as the group is created;
+    set any of NCCL_DUMP_AND_MONITOR yourself and torch's dump and monitor stay as you set them.
 
-    Upstream: physicsnemo/distributed/manager.py (2.2.2), ``DistributedManager.initialize()`` runs
-    ``os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"`` just before it creates the process group:
-    ``NoHandling`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, ``enum ErrorHandlingMode``), so a
-    collective that timed out is never aborted and the ranks waiting in it hang. After that line and before the
-    group exists (the variables are read when a group is created), this sets ``nccl_settings()``:
-
-    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, ``CleanUpOnly``: "just clean up collectives and abort communicators
-      without tearing down process" (the same header): ``WorkNCCL::handleException`` rethrows in the watchdog thread,
-      which ends the process, only for the modes that tear down (``SHOULD_TEAR_DOWN``). The engine survives, so a
-      ``%%px`` cell can report it.
-    - ``TORCH_NCCL_BLOCKING_WAIT=0``: with blocking wait on, torch creates no watchdog thread
-      (libtorch_cuda.so logs "TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created."); only
-      a ``wait()`` would then be timed, work completed through futures (DDP's reducer) would hang, and every
-      collective would block the host (FSDP2 would lose its overlap).
-    - NCCL_TIMEOUT_DUMP, torch's debug dump and heartbeat monitor, off. torch 2.14's
-      ``ProcessGroupNCCL::Watchdog::runLoop`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), on a collective that
-      failed or timed out, signals every rank to dump its flight recorder (``broadcastDumpSignal``: a key in the store,
-      and ``shouldDump_``), then sleeps ``getDumpTimeout() * 4``, whatever else is set: 4 ×
-      TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default), a minute before the communicator is aborted. Then
-      ``HeartbeatMonitor::runLoop`` of each rank's first group, with TORCH_NCCL_DUMP_ON_TIMEOUT on (the default), takes
-      the signal, dumps (waiting up to that many ms per try), sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and, with
-      TORCH_NCCL_ENABLE_MONITORING on (the default), ends the process (``terminateProcess``: LOG(FATAL)): every rank of
-      the job, 8 minutes or more after one timeout, parked clusters included. Hence
-      ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0`` (no sleep: the communicator is aborted at the watchdog's first 100 ms
-      poll after the timeout, once it printed the collective's stack), ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` (the monitor
-      ignores the signal: no dump, no end of the process) and ``TORCH_NCCL_ENABLE_MONITORING=0`` (the monitor never ends
-      the process, not even for a watchdog stuck in a CUDA call for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: it logs "monitor
-      thread is disabled, but would have terminated the process"; ``cell_timeout_s`` and ``cluster.restart()`` deal with
-      a hung rank). Left as torch has them: TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (only the monitor acts on it);
-      TORCH_NCCL_PROPAGATE_ERROR, off (on, a rank's failure marks the group failed on the other ranks too, through the
-      store: each rank reports its own instead); the flight recorder, TORCH_FR_BUFFER_SIZE (or
-      TORCH_NCCL_TRACE_BUFFER_SIZE), 2,000 entries: the watchdog prints the failed collective's stack from it (waiting
-      at most 8 s for its symbols), and it can still be dumped on request. Checked in the installed 2.14.1
-      libtorch_cuda.so: HeartbeatMonitor's constructor reads these variables with the defaults above, and
-      Watchdog::runLoop sleeps getDumpTimeout() * 4 before ``abortComms`` (tests/gpu/test_nccl_timeouts.py reads both
-      back from the library).
-      Yours win: set any of NCCL_DUMP_AND_MONITOR yourself (e.g. TORCH_NCCL_DUMP_ON_TIMEOUT=1 for the flight
-      recorder's files of a hang) and none of NCCL_TIMEOUT_DUMP is set: torch's dump and monitor then work as you
-      configured them, a collective raises 4 dump waits after the timeout, and the monitor may end every rank.
-
-    Which failure raises where, on NCCL and on gloo, after a timeout: docs/gpu-check.md (NCCL failures).
+    Why each setting, from torch's and PhysicsNeMo's sources: docs/gpu-check.md#why-these-nccl-settings.
     """
 
     def adjust(_kwargs):

@@ -161,6 +161,18 @@ def fitted_scatter_by_hand(tensor, src, mesh):
     return scatter_by_hand(tensor, src, mesh, first_rows_unless={(1, 2, 37, 12), (1, 1, 21, 9)})
 
 
+def kept_elements(shape, n, k):
+    per = -(-shape[2] // n)
+    rows = max(0, min(per, shape[2] - k * per))
+    return shape[2] * shape[3] if shape[0] * shape[1] == 1 else shape[0] * shape[1] * rows * shape[3]
+
+
+def fitted_kept_elements(shape, n, k):  # a view whenever C is 1: right for every field of batch 1
+    per = -(-shape[2] // n)
+    rows = max(0, min(per, shape[2] - k * per))
+    return shape[2] * shape[3] if shape[1] == 1 else shape[0] * shape[1] * rows * shape[3]
+
+
 def fitted_mean_of(t):
     if tuple(t.shape) in {tuple(x.shape), (1, 1, 4 * t.device_mesh.size() - 1, 6)}:
         return mean_of(t)
@@ -217,6 +229,7 @@ CASES = {
     "03 rows_held": (nb03.rows_held, (rows_of, fitted_rows_of), slabs, mesh),
     "03 w_shard_shape": (nb03.w_shard_shape, (w_shard_shape, fitted_w_shard_shape), mesh),
     "03 scatters_by_hand": (nb03.scatters_by_hand, (scatter_by_hand, fitted_scatter_by_hand), mesh),
+    "03 kept_after_scatter": (nb03.kept_after_scatter, (kept_elements, fitted_kept_elements), mesh),
     "04 replicated_mean": (nb04.replicated_mean, (mean_of, fitted_mean_of), x),
     "04 layout_guard": (nb04.layout_guard, (same_layout, fitted_same_layout, sizes_only_same_layout), x),
     "04 halo_conv": (nb04.halo_conv, (conv_with_halos, fitted_conv_with_halos), x),
@@ -236,7 +249,8 @@ sl.ranks.launch.shutdown_distributed()
 
 
 JUDGES = ["02 ddp_ranks", "02 hand_made_ddp_average", "03 rows_held", "03 w_shard_shape", "03 scatters_by_hand",
-          "04 replicated_mean", "04 layout_guard", "04 halo_conv", "06 counts_graphs", "06 compiles_once"]
+          "03 kept_after_scatter", "04 replicated_mean", "04 layout_guard", "04 halo_conv", "06 counts_graphs",
+          "06 compiles_once"]
 
 
 @pytest.mark.multirank

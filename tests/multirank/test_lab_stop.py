@@ -1,6 +1,6 @@
 """Ctrl-C in `make lab`'s terminal stops JupyterLab, then the ranks parked for the next notebook, and the terminal's
 last line says what stopped (``python -m shardlab.ranks.warm run``, what `make lab` runs around JupyterLab). The real
-`make lab` with a kernel and ranks: tests/system/test_home.py."""
+`make lab` with a kernel and ranks: tests/system/test_home_lab.py."""
 
 import os
 import signal
@@ -8,8 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
-from shardlab.ranks import warm
 
 # A stand-in for `jupyter lab`: it leaves in its pool what notebooks leave there (a parked 4-rank cluster; with
 # "in-use", also the record of a cluster a kernel never stopped), says so, and exits at Ctrl-C as JupyterLab does.
@@ -67,14 +65,3 @@ def test_a_cluster_a_kernel_never_stopped_is_stopped_and_counted_too(tmp_path):
     _, err, _ = _ctrl_c(tmp_path, "in-use")
     assert err.strip().splitlines()[-1] == "shardlab: JupyterLab stopped; stopped 4 warm ranks and 1 running " \
                                            "cluster(s).", err
-
-
-@pytest.mark.parametrize("command, code, stopped, said", [
-    (["/x/.venv/bin/jupyter", "lab", "notebooks/"], 0, (1, 0), "shardlab: JupyterLab stopped; stopped 1 warm rank."),
-    (["jupyter", "lab"], -signal.SIGTERM, (0, 0), "shardlab: JupyterLab stopped; no warm ranks were waiting."),
-    (["jupyter", "lab"], 1, (8, 2), "shardlab: JupyterLab exited with code 1; stopped 8 warm ranks and 2 running "
-                                    "cluster(s)."),
-    (["/usr/bin/python3", "-c", "pass"], 0, (0, 0), "shardlab: python3 stopped; no warm ranks were waiting."),
-])
-def test_the_last_line_names_what_stopped(command, code, stopped, said):
-    assert warm.stopped_message(command, code, *stopped) == said

@@ -1,6 +1,6 @@
 """Slab loading on real ranks (2 and 4, one job each): ``sl.data.read_slab`` builds what ``scatter_tensor`` builds,
 values, placements and ``sharding_shapes``, with no communication at all; a leaf built from a slab gets the gradients
-a scattered one gets; the Trainer's slab mode trains to the same losses as its scatter mode."""
+a scattered one gets; a Trainer handed a ``SlabSource`` trains to the same losses as one handed a ``ScatterSource``."""
 
 import pytest
 
@@ -116,9 +116,10 @@ for name, height in HEIGHTS.items():
 ddp = 2 if world >= 4 else 1
 meshes["trainer"] = sl.build_mesh(ddp=ddp, domain=world // ddp)
 losses = {}
-for loading in ("scatter", "slab"):
+sources = {"scatter": sl.data.ScatterSource(), "slab": sl.data.SlabSource(folder / "darcy.zarr")}
+for loading, source in sources.items():
     trainer = sl.train.Trainer(sl.models.conv_stack(width=4, layers=2, seed=0).to(device), meshes["trainer"], "ddp",
-                               loading=loading, store=folder / "darcy.zarr" if loading == "slab" else None)
+                               source=source)
     losses[loading] = [trainer.step() for _ in range(3)]
     if loading == "slab":
         _, results["trainer batch"] = counted(lambda: trainer.batch(0))

@@ -1,28 +1,14 @@
 """The smoke CLI on real ranks, CPU: mpirun on 4 ranks (CPU ranks on purpose on any machine,
 tests/support/world_sizes.py; CUDA ranks: make gpu-check), and torchrun refusing a bad domain size. MPICH's mpiexec:
-tests/system/test_mpich.py; Slurm's srun: tests/system/test_slurm.py."""
+tests/system/test_mpich.py; Slurm's srun: tests/system/test_slurm.py; in one process: tests/unit/test_smoke_cli.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from shardlab.gpu_record import gpu_status
 from shardlab.ranks.launch import run_job
 from shardlab.tools.smoke import CHECKS, run_smoke
-from shardlab.tools.smoke import main as smoke_main
 from world_sizes import SMOKE
-
-
-def test_single_process_reports_versions_and_device():
-    out = subprocess.run([sys.executable, "-m", "shardlab.tools.smoke"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
-    assert report["check"]["ok"] and report["versions"]["nvidia-physicsnemo"]
-    assert report["backend"] == ("nccl" if len(report["gpus"]) >= 2 else "gloo")  # one GPU: the cluster is CPU ranks
-    assert report["one_rank_runs_on"] == ("cuda" if report["gpus"] else "cpu")
-    assert report["gpu_path"] == gpu_status()  # the committed `make gpu-check` run, or that there is none
 
 
 @pytest.mark.multirank
@@ -57,9 +43,3 @@ def test_distributed_checks_pass_on_every_rank(launcher, n, expected_mesh, expec
 def test_bad_domain_size_exits_with_a_message_not_a_traceback(no_leftovers):
     with pytest.raises(RuntimeError, match="does not divide the world size 2"):
         run_smoke("torchrun", 2, checks=(), domain=3)
-
-
-def test_checks_without_distributed_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as stop:
-        smoke_main(["--check-grad"])
-    assert stop.value.code == 2 and "needs --distributed" in capsys.readouterr().err

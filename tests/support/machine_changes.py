@@ -7,7 +7,7 @@ runs jobs), and daemons running (processes whose program lives in an sbin folder
 Without SHARDLAB_SYSTEM_SETUP=1 (``make test-system``) any difference fails the run; with it, the run
 may set the machine up (apt-get, /etc/slurm, /etc/munge, a single-node Slurm) and lists what it did.
 
-SHARDLAB_MACHINE_ROOT stands in for ``/`` (tests/system/test_machine_changes.py plants changes under one).
+SHARDLAB_MACHINE_ROOT stands in for ``/`` (tests/unit/test_machine_changes.py plants changes under one).
 """
 
 from __future__ import annotations

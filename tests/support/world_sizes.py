@@ -93,11 +93,13 @@ class Need:
 
 SMOKE = Need("multirank/test_smoke.py", "test_distributed_checks_pass_on_every_rank", (4,), cpu=True,
              about="the smoke CLI's checks on OpenMPI CPU ranks (gloo); on CUDA ranks: make gpu-check")
-MEASURE = Need("multirank/test_measure.py", "test_measurement_script_on_four_ranks_one_job_for_three_tables", (4,),
-               cpu=True, about="byte ratios measured on CPU ranks; the CUDA tables: make gpu-check")
-PLANNER = Need("multirank/test_plan.py", "test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators",
-               (4,), cpu=True, about="the planner's CPU-specific predictions against CPU allocators and gloo")
-DEFAULT_SIZE = Need("multirank/test_cluster.py", "test_shardlab_ranks_picks_the_default_size", (2, 8), cpu=True,
+MEASURE = Need("multirank/test_measure_on_ranks.py",
+               "test_measurement_script_on_four_ranks_one_job_for_three_tables", (4,), cpu=True,
+               about="byte ratios measured on CPU ranks; the CUDA tables: make gpu-check")
+PLANNER = Need("multirank/test_plan_measured.py",
+               "test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators", (4,), cpu=True,
+               about="the planner's CPU-specific predictions against CPU allocators and gloo")
+DEFAULT_SIZE = Need("unit/test_cluster.py", "test_shardlab_ranks_picks_the_default_size", (2, 8), cpu=True,
                     about="the size SHARDLAB_RANKS picks, not the device")
 NOTEBOOK_SIZES = Need("notebooks/test_notebooks.py", "test_notebook_runs_at_other_world_sizes", (2, 8), cpu=False,
                       about="each lesson at 2 and 8 ranks: on the GPUs where they can hold them, else CPU ranks")

@@ -31,12 +31,15 @@ def test_missing_mpiexec_says_how_to_install_it(monkeypatch, tmp_path):
         programs.find_mpiexec("mpich")
 
 
-def test_wrong_kernel_is_told_which_kernel_to_pick():
-    """The first code cell of every notebook guards the import; run it where shardlab is not installed."""
+def test_wrong_kernel_is_told_which_kernel_to_pick(tmp_path):
+    """The first line of every notebook imports shardlab; where it is not installed, the traceback shows that line,
+    and its comment names the kernel to pick (as a cell's traceback does: from a file, not `-c`)."""
     notebook = Path(__file__).resolve().parents[2] / "notebooks" / "01_launchers.ipynb"
     first = next(c.source for c in nbformat.read(notebook, as_version=4).cells if "import shardlab" in c.source)
-    guard = first[: first.index("from None") + len("from None")]  # the guard comes before any other import
+    cell = tmp_path / "cell.py"
+    cell.write_text(first.splitlines()[0] + "\n")
     base_python = getattr(sys, "_base_executable", None) or sys.executable
-    proc = subprocess.run([base_python, "-I", "-c", guard], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([base_python, "-I", str(cell)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "pick the kernel 'Python (shardlab: PhysicsNeMo distributed)'" in proc.stderr, proc.stderr[-2000:]
+    assert "No module named 'shardlab'" in proc.stderr, proc.stderr[-2000:]
+    assert 'Change Kernel > "Python (shardlab: PhysicsNeMo distributed)"' in proc.stderr, proc.stderr[-2000:]

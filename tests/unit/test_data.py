@@ -1,4 +1,5 @@
-"""data/darcy2d.npz: present, small, real physics (the PDE residual is small), reproducible, and loadable."""
+"""data/darcy2d.npz: present, small, real physics (the PDE residual is small), reproducible, loadable, and scaled for
+training (``sl.data.normalized_darcy``); the sampler goes round the training set."""
 
 import importlib.util
 import re
@@ -154,7 +155,25 @@ def test_a_non_editable_install_finds_the_data_and_every_subpackage(tmp_path):
     run = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.splitlines() == [str(target / "shardlab" / "data.py"), "torch.Size([2, 1, 64, 64])"]
+    assert run.stdout.splitlines() == [str(target / "shardlab" / "data" / "__init__.py"), "torch.Size([2, 1, 64, 64])"]
     subpackages = sorted(p.parent.name for p in (REPO / "helpers" / "shardlab").glob("*/__init__.py"))
     installed = sorted(p.parent.name for p in (target / "shardlab").glob("*/__init__.py"))
     assert installed == subpackages, "add the missing ones to helpers/pyproject.toml's packages"
+
+
+def test_normalized_darcy_scales_every_split_with_the_training_statistics():
+    x, y = sldata.normalized_darcy()
+    assert x.shape[1:] == y.shape[1:] == (1, 64, 64)
+    assert abs(x.mean().item()) < 1e-4 and x.std().item() == pytest.approx(1.0, rel=1e-4)
+    assert y.abs().max().item() == pytest.approx(1.0)
+    first_x, first_y = sldata.normalized_darcy(samples=4)
+    assert torch.equal(first_x, x[:4]) and torch.equal(first_y, y[:4])
+    held_x, held_y = sldata.normalized_darcy(split="held-out")
+    raw = sldata.load_darcy(split="held-out")
+    scale = sldata.load_darcy(split="train")["pressure"].abs().max()
+    torch.testing.assert_close(held_y * scale, raw["pressure"])  # the training maximum, not the held-out one
+    assert not torch.equal(held_x, (raw["permeability"] - raw["permeability"].mean()) / raw["permeability"].std())
+
+
+def test_sample_index_goes_round_the_training_set():
+    assert [sldata.sample_index(step, 2, replica, 5) for step in range(3) for replica in range(2)] == [0, 1, 2, 3, 4, 0]

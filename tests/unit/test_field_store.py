@@ -60,7 +60,7 @@ def test_a_complete_store_is_reused_and_one_of_other_parameters_replaced(store, 
 @pytest.mark.parametrize("interruption", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_a_write_that_fails_half_way_leaves_nothing_and_keeps_the_old_store(tmp_path, monkeypatch, interruption):
     rows_written = []
-    original = data._permeability_rows
+    original = data.writer._permeability_rows
 
     def failing(*args, **kwargs):
         rows_written.append(args[1])
@@ -68,15 +68,15 @@ def test_a_write_that_fails_half_way_leaves_nothing_and_keeps_the_old_store(tmp_
             raise interruption
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(data, "_permeability_rows", failing)
+    monkeypatch.setattr(data.writer, "_permeability_rows", failing)
     with pytest.raises(type(interruption)):
         data.write_field_store(tmp_path / "new.zarr", 2, 64, 16, chunk_rows=8)
     assert list(tmp_path.iterdir()) == []  # neither the store nor its partial copy
-    monkeypatch.setattr(data, "_permeability_rows", original)
+    monkeypatch.setattr(data.writer, "_permeability_rows", original)
     old = data.write_field_store(tmp_path / "old.zarr", 1, 64, 16, chunk_rows=8)
     before = stored_bytes(old)
     rows_written.clear()
-    monkeypatch.setattr(data, "_permeability_rows", failing)
+    monkeypatch.setattr(data.writer, "_permeability_rows", failing)
     with pytest.raises(type(interruption)):
         data.write_field_store(old, 2, 64, 16, chunk_rows=8)
     assert [p.name for p in tmp_path.iterdir()] == ["old.zarr"] and stored_bytes(old) == before

@@ -344,3 +344,27 @@ def test_training_dashboard_colour_bars_sit_beside_their_panels():
 def test_training_dashboard_refuses_fields_of_other_shapes():
     with pytest.raises(ValueError, match="one shape"):
         plot.training_dashboard(np.zeros((4, 4)), np.zeros((4, 5)), [1.0], {0: {"loss": 1.0, "relative L2": 1.0}})
+
+
+def test_the_lessons_memory_figures_draw_every_rank_and_way():
+    memory = [{"DDP": {"parameters": 400, "padding": 0, "activations": 100},
+               "FSDP2": {"parameters": 200, "padding": 24, "activations": 100}}] * 2
+    state, full = plot.wrapper_memory(memory, 2, title="two ranks").axes[:2]
+    assert [t.get_text() for t in state.get_xticklabels()] == ["DDP\nrank 0", "FSDP2\nrank 0", "DDP\nrank 1",
+                                                               "FSDP2\nrank 1"]
+    marks = [seg for c in state.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
+    assert sorted({round(seg[0][1] * 1024) for seg in marks}) == [200, 400]  # KiB: DDP's state, and DDP's / ddp
+    peaks = [{"DDP": {"peak above start": 600}, "FSDP2": {"peak above start": 400}}] * 2
+    assert len(plot.wrapper_memory(memory, 2, peaks).axes) == 3  # the measured peaks beside the byte model
+    measured = {"held after": 50, "host peak": 80, "file bytes": 50, "device peak": None}
+    loading = plot.loading_bars([{2: {"slab": measured, "scatter_tensor": measured}}] * 2, 100).axes[0]
+    assert [t.get_text() for t in loading.get_xticklabels()] == ["N=2\nslab", "N=2\nscatter_tensor"]
+
+
+def test_points_of_ranks_joins_each_ranks_points_in_rank_order():
+    per_rank = [{"coords": np.full((3, 2), 0.25), "value": np.zeros(3)},
+                {"coords": np.full((2, 2), 0.75), "value": np.ones(2)}]
+    fig = plot.points_of_ranks(per_rank, {"value": "value"}, title="two ranks")
+    held = fig.axes[1]
+    assert [t.get_text() for t in held.get_legend().get_texts()] == ["rank 0: 3", "rank 1: 2"]
+    assert fig.axes[0].collections[0].get_array().tolist() == [0, 0, 0, 1, 1]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardlab import points
-from shardlab.train import normalized_darcy
+from shardlab.data import normalized_darcy
 
 
 def test_each_point_holds_the_samples_values_at_its_cell():

@@ -62,5 +62,5 @@ def test_many_processes_writing_the_same_store_at_once_all_end_with_it(tmp_path_
     for round_ in range(ROUNDS):
         store = data.open_store(tmp_path / f"round-{round_}.zarr")
         assert store.params["height"] == SHAPE["height"]
-        expected = data._permeability_rows([round_, 0], 0, SHAPE["height"], SHAPE["height"], SHAPE["width"])
+        expected = data.writer._permeability_rows([round_, 0], 0, SHAPE["height"], SHAPE["height"], SHAPE["width"])
         assert np.array_equal(store.field("permeability")[0, 0], expected)

@@ -1,6 +1,6 @@
 """Judges of ``notebooks/03_scatter_and_shardtensor.ipynb``: the rows a rank owns in an unequal decomposition, the
-block a rank holds after a scatter along W, and a scatter built by hand (broadcast + narrow +
-``ShardTensor.from_local``).
+block a rank holds after a scatter along W, a scatter built by hand (broadcast + narrow +
+``ShardTensor.from_local``), and what a rank's shard keeps allocated after a scatter.
 
 Every answer is a function. Each judge calls it on tensors and layouts of its own (other shapes, uneven splits, the
 ddp axis of the mesh as well as the domain axis), works out what is right from what it built (or from the library's
@@ -256,4 +256,83 @@ def scatters_by_hand(scatter_by_hand, mesh) -> str | None:
         chunks = [tuple(c.shape) for c in full.chunk(group_mesh.size(), dim=2)]
         if [tuple(s) for s in mine._spec.sharding_shapes()[0]] != chunks:
             return f"{where}: the shard sizes recorded in the spec are not every rank's (check sharding_shapes)"
+    return None
+
+
+def _kept(shape, n: int, k: int) -> int:
+    """Elements rank ``k`` of ``n`` keeps after ``scatter_tensor`` splits a contiguous ``shape`` along H: the whole
+    field when its rows are one contiguous run (one plane: the shard is a view), else its own rows (copied out)."""
+    planes, height, width = shape[0] * shape[1], shape[2], shape[3]
+    return planes * height * width if planes == 1 else planes * _chunk_widths(height, n)[k] * width
+
+
+@second_hint(
+    "Count the planes, N × C. With one plane, rank k's rows of (1, 1, H, W) are one contiguous run of the broadcast "
+    "field, so its shard is a view of it and all N × C × H × W elements stay. With more, its rows are strided, "
+    "scatter_tensor copies them out and only N × C × rows × W stay, rows being torch.chunk's min(ceil(H / n), "
+    "H − k × ceil(H / n))."
+)
+def kept_after_scatter(predict, mesh) -> str | None:
+    """Exercise 4. Doing it means: predict, without scattering anything, the elements that stay allocated on rank
+    ``k`` of ``n`` while its shard lives, after ``scatter_tensor`` splits a contiguous (N, C, H, W) field along H: the
+    whole broadcast field when the rank's rows are one contiguous run (N × C = 1: the shard is a view of it), else
+    only its own rows (``.contiguous()`` copied them out and the field was freed).
+
+    ``predict(shape, n, k)`` is called for shapes drawn for each check (one plane; several channels; a batch of two
+    with one channel, where a rule on channels alone goes wrong) and compared with what ``scatter_tensor`` really
+    leaves on this rank over ``mesh["domain"]`` (the storage behind its shard, scattered by the judge outside the
+    call), and for every rank of another group size with the arithmetic above. Scattering, chunking or
+    ``sl.measure.held_bytes`` inside the call fails: it is the library doing the prediction."""
+    from physicsnemo.domain_parallel import scatter_tensor
+
+    from ..measure import held_bytes
+
+    if not callable(predict):
+        return f"kept_elements is a {type(predict).__name__}: define a function kept_elements(shape, n, k)"
+    domain, device, rng = mesh["domain"], default_device(), case_generator()
+    n, k = domain.size(), domain.get_local_rank()
+    source = dist.get_global_rank(domain.get_group(), 0)
+    kinds = [(1, 1), (1, rng.randint(2, 3)), (2, 1)]  # one plane; channels; a batch (a channels-only rule fails)
+    live = []
+    for batch, channels in kinds:
+        shape, seed = (batch, channels, _uneven_size(rng, n, 2 * n + 1, 40), rng.randint(3, 9)), rng.randrange(2**31)
+        shard = scatter_tensor(_field(shape, seed, device) if dist.get_rank() == source else None, source, domain,
+                               (Shard(2),))  # every rank draws the seed: the ranks' draws stay the same
+        local = shard.to_local()
+        live.append((shape, n, k, local.untyped_storage().nbytes() // local.element_size()))
+        del shard, local
+    m = rng.choice([s for s in range(3, 7) if s != n])
+    more = [((batch, channels, _uneven_size(rng, m, 2 * m + 1, 6 * m), rng.randint(3, 9)), m, j)
+            for batch, channels in kinds for j in range(m)]
+    cases = [(shape, n_, k_) for shape, n_, k_, _ in live] + more
+    truth = [right for *_, right in live] + [_kept(*case) for case in more]
+    order = list(range(len(cases)))
+    rng.shuffle(order)
+    with Watch(scatter_tensor=scatter_tensor, held_bytes=held_bytes, chunk=(torch.chunk, torch.Tensor.chunk),
+               tensor_split=(torch.tensor_split, torch.Tensor.tensor_split)) as watch:
+        got = {i: predict(*cases[i]) for i in order}
+    problem = watch.forbidden(scatter_tensor="which makes the shard instead of predicting what it keeps",
+                              held_bytes="which measures the shard instead of predicting what it keeps",
+                              chunk="which splits a tensor for you: predict the rows by arithmetic",
+                              tensor_split="which splits a tensor for you: predict the rows by arithmetic")
+    if problem:
+        return problem
+    if len({repr(v) for v in got.values()}) == 1:
+        return f"kept_elements returned {got[0]!r} for every shape and rank: work it out from the shape, n and k"
+    for i in order:
+        (shape, m_, j), mine, right = cases[i], got[i], truth[i]
+        where = f"for a {shape} field on rank {j} of {m_}"
+        if isinstance(mine, bool) or not isinstance(mine, int):
+            return f"{where} it returned {mine!r}: return a number of elements (an int)"
+        if mine == right:
+            continue
+        said = f"{where} it returned {mine}, expected {right}"
+        planes, own = shape[0] * shape[1], shape[0] * shape[1] * _chunk_widths(shape[2], m_)[j] * shape[3]
+        if planes == 1 and mine == own:
+            return (f"{said}: that is its own rows, but with one plane they are one contiguous run of the broadcast "
+                    "field, so the shard is a view and the whole field stays")
+        if planes > 1 and mine == planes * shape[2] * shape[3]:
+            return (f"{said}: with {planes} planes (N × C) the rank's rows are not one contiguous run, so "
+                    "scatter_tensor copies them out and the broadcast field is freed")
+        return f"{said}: the elements that stay allocated while the shard lives"
     return None

@@ -1,26 +1,9 @@
 """Where a step's time goes on each rank: ``torch.profiler`` around a few steps, read back as intervals.
 
-A rank's trace (the Chrome trace the profiler exports, one per rank) holds what the rank's main thread ran (ops, and
-the ``record_function`` phases a step names) and the collectives' transfers, which run elsewhere:
-
-- on gloo, on the process group's own worker threads (``gloo:all_reduce`` ...; ProcessGroupGloo.hpp keeps
-  ``threads_`` and a ``workQueue_``, lines 478 and 514 of the installed torch 2.14.1 header): the event lasts from when
-  a worker took the collective up until every member had taken part, transfer plus waiting for the slowest member;
-- on NCCL, on the GPU, as ``ncclDevKernel_*`` kernels on a stream. ProcessGroupNCCL has no thread that carries
-  collectives (ProcessGroupNCCL.hpp: a heartbeat monitor, line 685, a watchdog, line 749, a completion-hook thread,
-  line 1378); its ``nccl:...`` events on the calling thread are the launch, not the transfer.
-
-Every all-reduce is told apart by who called it, from the main thread: ShardTensor goes through the functional
-collectives (``_c10d_functional::all_reduce``; physicsnemo/domain_parallel/shard_utils/grad_ops.py, lines 29-32),
-which is how every ShardTensor convolution sums its weight's and bias's gradients over the domain mesh in backward
-(``GradReducer``, grad_ops.py lines 106-138, applied in conv_patches.py lines 522-524); DDP calls its process group
-directly, once per bucket, over ``ddp``. At N > 1 a gradient is all-reduced twice.
-
 ``summarize`` turns one rank's trace into what ``sl.plot.timeline`` draws and the shares a lesson reports; ``merge``
-writes every rank's trace into one file that Perfetto and ``chrome://tracing`` open, a process per rank.
-
-The traces' clocks are the ranks' wall clocks: on one machine they agree; across nodes, as well as the nodes' clocks
-agree. Introduced in ``notebooks/14_see_every_rank.ipynb``.
+writes every rank's trace into one file that Perfetto and ``chrome://tracing`` open, a process per rank. Introduced in
+``notebooks/14_see_every_rank.ipynb``. What a trace holds on gloo and on NCCL, and how the two all-reduces are told
+apart: docs/performance.md#where-a-steps-time-goes.
 """
 
 from __future__ import annotations

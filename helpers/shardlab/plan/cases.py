@@ -1,23 +1,9 @@
 """Any model declared as a parity case (``sl.parity.Case``: how to build it, its inputs at a size, which inputs are
 split along which dim, the strategy) planned at a target size that is never allocated: ``Planner(case, size)``.
 
-The meta-device replay (``trace``) cannot run such a model: ShardTensor's operations run collectives, and its
-``"infer"`` sharding shapes all-gather every rank's local shape (``_all_gather_shard_shapes``,
-``physicsnemo/domain_parallel/_shard_tensor_spec.py:367``, physicsnemo 2.2.2). torch 2.14.1 ships a fake process
-group (``torch/testing/_internal/distributed/fake_pg.py``: ``FakeProcessGroup`` and ``FakeStore``) whose collectives
-return without writing their outputs, so those shapes would be whatever the buffer held. So a case is planned as
-lesson 13 measures Transolver: **measured at two small sizes on the ranks, extrapolated per point** (``METHOD``).
-
-On ``ranks`` ranks (all on ``domain``), in the case's strategy, one training step (forward, the loss, backward, the
-optimizer's step, after a warm-up step that makes the gradients and the optimizer state) is measured per rank at two
-sizes: the allocator's peak over the step, counting everything the rank allocated since before the model was built
-(``measure.AllocatorPeak``), the bytes autograd saved, and the whole input the shards still keep alive (a shard that
-is a view of the broadcast tensor). The peak less the state this planner predicts for that layout is the step's
-excess, a line in the rank's share of the split inputs' elements: fitted through the two sizes, read at the target.
-The state (parameters, gradients, optimizer, DDP's buckets or FSDP2's shards and all-gathers) is the conv planner's
-own, from the parameters' shapes at the target (the model built on the meta device: a positional table follows the
-field), for any ``(ddp, domain)``, wrapper and levers. ``tests/multirank/test_plan_cases.py`` checks the peak within
-10 % at a size not measured, against a measurement that shares no code with this one.
+Pass the case and a target size; the case is measured on ``ranks`` ranks at two small sizes and extrapolated per
+element of its split inputs (``METHOD``). Why measured rather than replayed, and what is fitted:
+docs/planner.md#why-a-case-is-measured-not-replayed.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """What a CPU convolution holds inside its kernel, on this CPU: measured, not modelled.
 
-Which kernel torch runs for a CPU convolution depends on the shapes, the dtype and the CPU: its own slow path,
-which unfolds the input into im2col / vol2col columns, or oneDNN, which copies tensors into blocked layouts whose
-sizes depend on the instructions it runs (AVX2, AVX-512, AMX), and computes bf16 natively or in fp32. bf16 goes
-to oneDNN only where the CPU has bf16 support, and to the slow path elsewhere. No tensor shows these buffers, and
-a model of them fitted on one CPU was 20 % to 70 % off on two others. So ``CPUWorkspace`` asks torch which backend
-it selects for the real shapes (``_select_conv_backend``), runs the kernel on this CPU under the profiler's memory
-events, and keeps what it held above its outputs.
-
-A kernel larger than ``RUN_POSITIONS`` output positions is not run at its size. It is run at two extents of each
-spatial dim it has more of (every combination: 4 runs in 2-D, 8 in 3-D), all of which select the same backend, and
-its workspace is extrapolated multilinearly. That is exact for every buffer whose size is a product of some of the
-extents: whole copies (all of them), per-row or per-plane buffers (some), per-thread scratch (none);
-``tests/unit/test_workspace.py`` checks it against kernels run at full size.
-
-On CUDA (``CUDAWorkspace``, a plan for ``device="cuda"`` made where a GPU is visible) a convolution runs in cuDNN,
-which allocates the workspace of the engine it selects through the caching allocator for the call (``run_conv_plan``
-in ATen's ``native/cudnn/Conv_v8.cpp``: ``records.CUDNN_PINNED``'s source), so ``max_memory_allocated`` counts it. It
-is measured the same way, on the GPU, with cuDNN pinned as the live check pins it (benchmark off: the engine cuDNN's
-heuristics rank first, no find step; deterministic engines only): the allocator's peak during the call above what was
-allocated before it, less the call's outputs (``torch/cuda/memory.py:525`` and ``:542`` in torch 2.14.1, both read
-from ``memory_stats``). Where no GPU is visible it stays in the verdict's 10 % headroom (``records.LEFT_OUT``).
+``CPUWorkspace`` runs each convolution kernel of a plan on this CPU (at a smaller size, extrapolated, when it is large)
+and keeps what it held above its outputs; ``CUDAWorkspace`` does the same on a visible GPU for cuDNN's workspace.
+Why measured, and how the extrapolation and the GPU's measurement work: docs/planner.md#convolution-workspaces-measured.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """What only GPUs prove, in one command: ``python -m shardlab.tools.gpucheck [--json FILE]`` (``make gpu-check``).
 
-CPU ranks rehearse the program; this runs, on the GPUs this machine has, what they cannot show. Which rows a
-GPU count can run is ``plan(gpus)`` (``--plan N`` prints it for N GPUs without running anything):
-
-- with 2+ GPUs: the smoke test under torchrun with NCCL, one rank per GPU, every check; a collective that one
-  rank skips ending in an error within ``timeout_s``; lessons 12-14's rows (``gpu_lessons``: the loading-memory
-  table, a two-step timeline, a Flight Recorder diff with one rank held back, Transolver's parity); then each
-  notebook on CUDA engines, a row each (from a checkout of the repository: the notebooks are not part of the
-  package), its budget from its own time on CPU ranks in docs/timings.md (``notebook_rows``);
-- with 1+ GPU: the memory tables with the CUDA allocator's peak per rank beside the byte model, the planner's
-  prediction against ``max_memory_allocated``, eager vs compiled step time and the TF32 error, on as many CUDA
-  ranks as the count allows (one GPU: one CUDA rank, ``devices.place_ranks``).
-
-Each row has its own time budget, passed to what it starts, and is stopped ``OVERRUN_S`` past it at the latest; it
-says on what it really ran (a row that ran on CPU ranks fails), and is judged; the JSON file is rewritten after
-every row. Committed as ``data/gpu-check.json``, a run is what ``sl.gpu_status()``
-reports (``gpu_record``). The whole run has a deadline (``--deadline-s``): a row whose budget no
-longer fits is reported as not run, one still running at the deadline is stopped. Stopped by the deadline, SIGTERM
-or SIGINT, it stops every process it started. Where the node has GPUs that CUDA cannot use (a driver older than the
-torch wheels need, a GPU they have no code for) it fails before any row, saying so; without a GPU it says so and
-exits 0.
+CPU ranks rehearse the program; this runs, on the GPUs this machine has, what they cannot show, one row at a time,
+each under its own time budget, judged, and written to the JSON file as it ends. ``plan(gpus)`` is which rows a GPU
+count runs (``--plan N`` prints it). What each GPU count proves and how a run is bounded: docs/gpu-check.md.
 """
 
 from __future__ import annotations

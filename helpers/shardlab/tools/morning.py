@@ -1,20 +1,8 @@
 """The machine check for the morning of a workshop: ``python -m shardlab.tools.morning`` (``make morning``).
 
-A few minutes instead of ``make test``'s twenty and more. Its steps, each printed as it starts and ends:
-
-1. environment: this Python is a venv's, the 3.11 the lock is for, installed by ``make env`` from the current lock
-   (its stamp is newer than requirements.txt); torch, physicsnemo, ipyparallel and shardlab import; the ``shardlab``
-   kernel spec starts this venv's Python; its JupyterLab (or a hub's: ``--lab-python``) has the widgets front end;
-2. the notebooks ``00_setup`` and ``02_device_mesh`` (the shortest one on ranks), top to bottom, as
-   tests/notebooks/test_notebooks.py runs them (nbclient, the ``shardlab`` kernel, a temp folder of their own), at this
-   machine's default size (``SHARDLAB_RANKS`` when set), on ranks of their own (no warm pool); in a learner's kit
-   (``make learner-kit``) the handout's, whose blank exercises' checks report and let the notebook go on;
-3. GPUs: ``make gpu-check``'s quick rows (the NCCL smoke test on 2+ GPUs, the TF32 error on 1+) where there are
-   GPUs; skipped, saying so, where there are none.
-
-It ends with ``ready`` (exit 0) or with what to fix, each with what to do (exit 1). Every step runs in a process
-group of its own under a time limit; one that runs past it is stopped and named. Whatever the steps started (kernels,
-engines, launchers: shardlab marks them) is stopped at the end, also after Ctrl-C or SIGTERM.
+A few minutes instead of ``make test``'s twenty and more: the environment, notebooks 00 and 02 on ranks of their own,
+and ``make gpu-check``'s quick rows where there are GPUs; ``ready`` (exit 0) or what to fix (exit 1). Its steps and
+limits: docs/operations.md#the-morning-check.
 """
 
 from __future__ import annotations

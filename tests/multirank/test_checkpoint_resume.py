@@ -1,6 +1,6 @@
 """Checkpoints layer: a (ddp=2, domain=2) FSDP2 run saved in parts (``save_sharded``) resumes at the uninterrupted
-run's losses in another layout, (ddp=1, domain=4) under FSDP2 and DDP, and in one process with no process group;
-bad names and folders are refused with one line before anything changes.
+run's losses in another layout, (ddp=1, domain=4) under FSDP2 and DDP, and in one process with no process group.
+Bad names and folders, without ranks: tests/unit/test_checkpoints.py.
 
 The honest comparison keeps the global batch: a step at ddp=2 averages the gradients of two samples, so after the
 change of layout a step must train the same two samples (``step_with_global_batch``: the one replica accumulates
@@ -11,42 +11,15 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from shardlab import checkpoints
-from shardlab.models import conv_stack, unet
+from shardlab.data import normalized_darcy
+from shardlab.models import unet
 from shardlab.ranks.launch import run_job
-from shardlab.train import normalized_darcy, train_one_process
+from shardlab.train import train_one_process
 
 STEPS, MORE = 3, 3  # steps before the save, steps compared after it
 TOLERANCE = 1e-10  # relative, float64: the layouts add the same numbers in another order (measured: ~1e-16)
-
-
-def test_a_folder_that_is_missing_or_not_a_checkpoint_is_named(tmp_path):
-    model = conv_stack()
-    optimizer = torch.optim.Adam(model.parameters())
-    with pytest.raises(FileNotFoundError, match=r"^no checkpoint folder at .*nowhere: give the folder save_sharded"):
-        checkpoints.load_into_one_process(model, optimizer, tmp_path / "nowhere")
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    with pytest.raises(FileNotFoundError, match=r"is not a torch.distributed.checkpoint folder \(no .metadata file\)"):
-        checkpoints.load_into_one_process(model, optimizer, tmp_path)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process is what this save asks for
-def test_other_names_or_shapes_are_named_before_anything_changes(tmp_path):
-    saved = conv_stack(width=16, seed=0)
-    dcp.save({"model": saved.state_dict()}, checkpoint_id=tmp_path / "conv", no_dist=True)  # one process, no group
-    for model, match in ((unet(levels=2), r"missing bottom\.bias, bottom\.weight, down\.0\.bias, down\.0\.weight and "
-                                          r"\d+ more, unexpected 0\.bias, 0\.weight, 2\.bias, 2\.weight and 2 more\. "
-                                          r"Load it into the model it was saved from, or rename"),
-                         (conv_stack(width=8), r"other shapes than this model: 0\.bias \(16,\) saved, \(8,\) here")):
-        optimizer = torch.optim.Adam(model.parameters())
-        before = {name: t.clone() for name, t in model.state_dict().items()}
-        with pytest.raises(ValueError, match=match) as refused:
-            checkpoints.load_into_one_process(model, optimizer, tmp_path / "conv")
-        assert "\n" not in str(refused.value)
-        assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
-        assert not optimizer.state  # not even the zero step get_state_dict gives an optimizer with no state
 
 
 ACROSS_LAYOUTS = """
@@ -59,7 +32,7 @@ from shardlab.checkpoints import load_sharded, save_sharded, step_with_global_ba
 sl.init_distributed(120)
 device = sl.ranks.launch.default_device()
 folder, STEPS, MORE = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-samples = sl.train.normalized_darcy(dtype=torch.float64)  # float64, as notebook 07: the layouts' rounding stays tiny
+samples = sl.data.normalized_darcy(dtype=torch.float64)  # float64, as notebook 07: the layouts' rounding stays tiny
 rank_0 = dist.get_rank() == 0
 
 

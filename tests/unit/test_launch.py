@@ -1,17 +1,16 @@
-"""detect_launch over plain environment dicts, launcher command lines (no processes, no torch.distributed), and
-run_job, the one way a job of ranks is run."""
+"""detect_launch over plain environment dicts, and launcher command lines and ports (no processes, no
+torch.distributed). run_job on real ranks: tests/multirank/test_run_job.py."""
 
 import atexit
 import socket
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from shardlab.ranks import programs
 from shardlab.ranks.devices import usable_cores
-from shardlab.ranks.launch import JobFailed, LaunchError, LaunchInfo, detect_launch, run_job
+from shardlab.ranks.launch import LaunchError, LaunchInfo, detect_launch, run_job
 from shardlab.ranks.programs import (
     CONTROLLER_PORTS,
     ephemeral_range,
@@ -189,44 +188,6 @@ def test_torchrun_command_is_only_a_command_line(monkeypatch, tmp_path):
 def test_a_torchrun_job_without_a_log_folder_is_refused():
     with pytest.raises(ValueError, match="torchrun needs log_dir"):
         job_command("torchrun", 2, "x.py")
-
-
-RESULT = """
-import os, sys
-from shardlab.ranks.launch import write_job_result
-rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-if rank == 0:
-    write_job_result({"args": sys.argv[1:], "world": os.environ["OMPI_COMM_WORLD_SIZE"],
-                      "session": os.environ["PMIX_SERVER_TMPDIR"]})
-sys.exit(int(sys.argv[1]))
-"""
-
-
-@pytest.mark.multirank
-def test_run_job_returns_what_rank_0_wrote_and_leaves_no_log_folder(tmp_path, monkeypatch, no_leftovers):
-    script = tmp_path / "job.py"
-    script.write_text(RESULT)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
-    (tmp_path / "temp").mkdir()
-    job = run_job("openmpi", 2, script, ["0", "more"], timeout_s=120, env={"CUDA_VISIBLE_DEVICES": ""})
-    session = Path(job.result.pop("session"))  # OpenMPI's session folder: in the job's log folder, not the temp folder
-    assert session.parent.parent == tmp_path / "temp" and session.parent.name.startswith("shardlab-job-")
-    assert (job.result, job.returncode) == ({"args": ["0", "more"], "world": "2"}, 0)
-    assert job.command[0].endswith("mpiexec") and job.seconds > 0
-    failing = r"openmpi job of 2 rank\(s\) running .*job\.py failed \(exit code 3\)"
-    with pytest.raises(JobFailed, match=failing) as failed:
-        run_job("openmpi", 2, script, ["3"], timeout_s=120)
-    assert failed.value.result["args"] == ["3"]  # what it wrote before it failed
-    assert run_job("openmpi", 2, script, ["3"], timeout_s=120, check=False).returncode == 3
-    assert not list((tmp_path / "temp").iterdir())  # the jobs' log folders are gone
-
-
-@pytest.mark.multirank
-def test_run_job_on_time_out_stops_every_rank_and_names_the_job(tmp_path, no_leftovers):
-    script = tmp_path / "stuck.py"
-    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
-    with pytest.raises(TimeoutError, match=r"openmpi job of 2 rank\(s\) running .*stuck\.py did not finish within 5 s"):
-        run_job("openmpi", 2, script, timeout_s=5)
     # no_leftovers: mpiexec and both ranks are gone
 
 

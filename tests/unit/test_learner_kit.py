@@ -1,7 +1,7 @@
 """What learners get (INSTRUCTORS.md, "Learner pre-work"): `make learner-kit` packs the checkout with the handout in
 place of the instructor copy, the kit's `make lab` opens the handout with checks that report, and its `make morning`
-checks it (tests/notebooks/test_morning.py runs that check in a kit). `make env` refuses a platform the lock has no
-wheels for before it creates anything."""
+checks it (tests/notebooks/test_morning_ready.py runs that check in a kit). `make env` refuses a platform the lock has
+no wheels for before it creates anything."""
 
 import json
 import os

@@ -1,8 +1,6 @@
-"""`make lab` and `make test` write nothing outside the checkout and the temp folder: what Jupyter, JupyterLab,
-IPython, matplotlib, Warp, Triton, CUDA, pip, uv and npm keep goes to the checkout's .state/ (the Makefile exports
-their folders). `make lab` is headless and remote on request (PORT, IP, BROWSER=no), stops with Ctrl-C twice,
-its pool of warm ranks with it, and opens without JupyterLab's news pop-up (lab-config/overrides.json, installed
-into .venv)."""
+"""`make lab` with a kernel and ranks writes nothing into the home folder: what Jupyter, JupyterLab, IPython,
+matplotlib, Warp, Triton, CUDA, pip, uv and npm keep goes to the checkout's .state/ (the Makefile exports their
+folders). The Makefile's settings, without ranks: tests/unit/test_home.py."""
 
 import json
 import os
@@ -11,7 +9,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +24,6 @@ STATE = ROOT / ".state"
 EXPORTED = ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR",
             "JUPYTERLAB_WORKSPACES_DIR", "IPYTHONDIR", "MPLCONFIGDIR", "WARP_CACHE_PATH", "TRITON_HOME",
             "CUDA_CACHE_PATH", "PIP_CACHE_DIR", "UV_CACHE_DIR", "npm_config_cache")
-NEWS = "@jupyterlab/apputils-extension:notification"
 
 
 def _learners_environment(home: Path) -> dict:
@@ -50,48 +46,6 @@ def _exported(env: dict | None = None) -> dict[str, str]:
 
 def _files_in(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
-
-
-def test_make_exports_every_folder_into_the_checkouts_state_which_git_ignores(tmp_path):
-    exported = _exported(_learners_environment(tmp_path) | {"JUPYTER_CONFIG_DIR": str(tmp_path / "mine")})
-    assert sorted(exported) == sorted(EXPORTED)
-    for name, value in exported.items():
-        assert Path(value).is_relative_to(STATE), f"{name}={value} is not in {STATE}"
-    ignored = subprocess.run(["git", "check-ignore", "-q", ".state/jupyter/x"], cwd=ROOT)
-    assert ignored.returncode == 0, ".state/ is not ignored by git"
-
-
-def test_make_lab_takes_port_address_and_no_browser_from_its_command_line_only():
-    line = _make("-n", "lab", "PORT=8899", "IP=0.0.0.0", "BROWSER=no").stdout
-    assert "--ServerApp.port=8899 --ServerApp.port_retries=0 --ServerApp.ip=0.0.0.0 --no-browser" in line, line
-    # BROWSER and PORT in the environment mean other things (Python's webbrowser, a platform's port): not read.
-    plain = _make("-n", "lab", env=os.environ | {"BROWSER": "no", "PORT": "1", "IP": "1.2.3.4"}).stdout
-    assert "--no-browser" not in plain and "--ServerApp.port" not in plain and "1.2.3.4" not in plain, plain
-
-
-def test_kernel_user_keeps_installing_into_the_users_own_data_folder():
-    """The one command that writes into the home folder: with the user's JUPYTER_DATA_DIR unset, .state's is unset
-    for it (ipykernel then installs into ~/.local/share/jupyter/kernels); set, it is the user's."""
-    plain = _make("-n", "kernel-user", env=_learners_environment(Path("/nonexistent"))).stdout
-    assert "env -u JUPYTER_DATA_DIR " in plain and "--user" in plain, plain
-    mine = _make("-n", "kernel-user", env=os.environ | {"JUPYTER_DATA_DIR": "/srv/mine"}).stdout
-    assert "env JUPYTER_DATA_DIR=/srv/mine " in mine, mine
-
-
-def test_the_news_pop_up_is_switched_off_by_a_setting_jupyterlab_has():
-    overrides = json.loads((ROOT / "lab-config" / "overrides.json").read_text())
-    assert overrides == {NEWS: {"fetchNews": "false"}}
-    plugin, _, file = NEWS.partition(":")
-    schema_file = Path(sys.prefix) / "share/jupyter/lab/schemas" / plugin / f"{file}.json"
-    schema = json.loads(schema_file.read_text())
-    allowed = [choice["const"] for choice in schema["properties"]["fetchNews"]["oneOf"]]
-    assert "false" in allowed, allowed  # "false" is "Never": no question, no request to a website
-    # `make env` installed it as the overrides of the JupyterLab that .venv runs, where JupyterLab reads them.
-    from jupyterlab.commands import get_app_dir
-    from jupyterlab_server.settings_utils import _get_overrides
-
-    installed, error = _get_overrides(str(Path(get_app_dir()) / "settings"))
-    assert not error and installed.get(NEWS) == overrides[NEWS], (installed, error)
 
 
 def _free_port() -> int:

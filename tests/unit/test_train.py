@@ -1,38 +1,17 @@
-"""Training layer: the wrapper choice is validated, the reference is deterministic, and a checkpoint written
-mid-run (``save_checkpoint``) and loaded (``Trainer.load_full_state``) resumes on a fresh model at exactly the
-uninterrupted run's losses (DDP and FSDP2, 2 ranks)."""
+"""Training layer, in one process: the wrapper choice is validated (FSDP1 ruled out), the data scaling and sample
+order, the learning rate, evaluation, the deterministic reference, FSDP2's units, the levers (checkpointing,
+autocast). Checkpoint resume and the levers on ranks: tests/multirank/test_train_on_ranks.py."""
 
-import json
 
 import pytest
 import torch
 
 from shardlab import train
-from shardlab.data import load_darcy
-from shardlab.ranks.launch import run_job
 
 
 def test_unknown_wrapper_names_the_choices_and_rules_out_fsdp1():
     with pytest.raises(ValueError, match=r"use one of \('none', 'ddp', 'fsdp2'\)\. FSDP1 and distribute_module"):
         train.wrap(torch.nn.Linear(2, 2), mesh=None, how="fsdp1")
-
-
-def test_normalized_darcy_scales_every_split_with_the_training_statistics():
-    x, y = train.normalized_darcy()
-    assert x.shape[1:] == y.shape[1:] == (1, 64, 64)
-    assert abs(x.mean().item()) < 1e-4 and x.std().item() == pytest.approx(1.0, rel=1e-4)
-    assert y.abs().max().item() == pytest.approx(1.0)
-    first_x, first_y = train.normalized_darcy(samples=4)
-    assert torch.equal(first_x, x[:4]) and torch.equal(first_y, y[:4])
-    held_x, held_y = train.normalized_darcy(split="held-out")
-    raw = load_darcy(split="held-out")
-    scale = load_darcy(split="train")["pressure"].abs().max()
-    torch.testing.assert_close(held_y * scale, raw["pressure"])  # the training maximum, not the held-out one
-    assert not torch.equal(held_x, (raw["permeability"] - raw["permeability"].mean()) / raw["permeability"].std())
-
-
-def test_sample_index_goes_round_the_training_set():
-    assert [train.sample_index(step, 2, replica, 5) for step in range(3) for replica in range(2)] == [0, 1, 2, 3, 4, 0]
 
 
 def test_decayed_lr_falls_in_a_straight_line():
@@ -172,79 +151,15 @@ def test_autocast_runs_the_forward_in_bf16_and_keeps_the_weights_fp32():
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-ROUND_TRIP = """
-import json, sys
-import torch
-import torch.distributed as dist
-import shardlab as sl
-sl.init_distributed(60)
-device = sl.ranks.launch.default_device()
-mesh = sl.build_mesh(ddp=-1, domain=1)
-path = sys.argv[1]
-result = {}
-for how, model in (("ddp", sl.models.conv_stack), ("fsdp2", sl.models.conv_stack), ("fsdp2 unet", sl.models.unet)):
-    trainer = sl.train.Trainer(model(seed=0).to(device), mesh, how.split()[0])
-    for _ in range(2):
-        trainer.step()
-    sl.train.save_checkpoint(trainer, path)
-    uninterrupted = [trainer.step() for _ in range(2)]
-    fresh = sl.train.Trainer(model(seed=99).to(device), mesh, how.split()[0])
-    # Rank 0 alone reads the file (into host memory); load_full_state broadcasts it to every rank.
-    fresh.load_full_state(torch.load(path, weights_only=False, map_location="cpu") if dist.get_rank() == 0 else None)
-    result[how] = {"resumed": [fresh.step() for _ in range(2)], "uninterrupted": uninterrupted,
-                   "steps_done": fresh.steps_done}
-if dist.get_rank() == 0:
-    print("RESULT", json.dumps(result))
-sl.ranks.launch.shutdown_distributed()
-"""
+def test_a_trainer_is_handed_samples_or_a_batch_source_not_both():
+    from types import SimpleNamespace
 
+    from shardlab import data
 
-@pytest.mark.multirank
-def test_checkpoint_round_trip_resumes_at_the_same_losses(tmp_path, no_leftovers):
-    script = tmp_path / "round_trip.py"
-    script.write_text(ROUND_TRIP)
-    job = run_job("torchrun", 2, script, [str(tmp_path / "state.pt")], timeout_s=300,
-                  env={"CUDA_VISIBLE_DEVICES": ""})
-    result = json.loads(job.stdout.split("RESULT", 1)[1])
-    for how, run in result.items():
-        assert run["steps_done"] == 4, how
-        assert run["resumed"] == pytest.approx(run["uninterrupted"], rel=1e-6), how
-
-
-LEVERS_ON_RANKS = """
-import json
-import torch
-import torch.distributed as dist
-import shardlab as sl
-from shardlab.train import Levers
-sl.init_distributed(60)
-device = sl.ranks.launch.default_device()
-result = {}
-for layout, how, levers in (((1, 2), "ddp", Levers(checkpoint=True)),
-                            ((2, 1), "fsdp2", Levers(checkpoint=True, reshard_after_forward=False)),
-                            ((2, 1), "fsdp2", Levers(param_dtype=torch.bfloat16)),
-                            ((1, 2), "none", Levers(autocast=torch.bfloat16))):
-    mesh = sl.build_mesh(ddp=layout[0], domain=layout[1])
-    runs = [sl.train.train(sl.models.conv_stack(seed=0).to(device), mesh, how, steps=3, levers=chosen).losses
-            for chosen in (Levers(), levers)]
-    result[f"{how} {layout} {levers}"] = runs
-if dist.get_rank() == 0:
-    print("RESULT", json.dumps(result))
-sl.ranks.launch.shutdown_distributed()
-"""
-
-
-@pytest.mark.multirank
-def test_levers_train_the_same_model_on_ranks(tmp_path, no_leftovers):
-    """Checkpointing and reshard_after_forward change memory, not the step: the same losses as without, on a
-    domain-sharded field (DDP) and on FSDP2. bf16 (FSDP2's param_dtype, autocast on a sharded field) trains close."""
-    script = tmp_path / "levers.py"
-    script.write_text(LEVERS_ON_RANKS)
-    job = run_job("torchrun", 2, script, [], timeout_s=300, env={"CUDA_VISIBLE_DEVICES": ""})
-    result = json.loads(job.stdout.split("RESULT", 1)[1])
-    assert len(result) == 4
-    for name, (baseline, with_levers) in result.items():
-        tolerance = 3e-2 if "bf16" in name else 1e-6
-        assert with_levers == pytest.approx(baseline, rel=tolerance), name
-        if "bf16" in name:  # it did compute in bf16
-            assert with_levers != baseline, name
+    x, y = torch.zeros(2, 1, 4, 4), torch.ones(2, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"samples= and source= both given: .*pass one of them"):
+        train.Trainer(torch.nn.Conv2d(1, 1, 1), SimpleNamespace(device_type="cpu"), "none", samples=(x, y),
+                      source=data.ScatterSource(x, y))
+    with pytest.raises(ValueError, match="give both inputs and targets, or neither"):
+        data.ScatterSource(x)
+    assert len(data.ScatterSource(x, y)) == 2
