@@ -1,10 +1,13 @@
 """``python -m shardlab.port`` end to end on two models of docs/models.md, the series' U-Net (a field) and Transolver
-(points): the tool writes a run that imports no shardlab; the run's own parity test holds under torchrun on 4 CPU
-ranks; 4 steps train on 4 ranks (ddp 2 × domain 2), saving a checkpoint every 2 steps, and the run as it stood after
-step 2 resumes from that checkpoint on 2 ranks (ddp 1 × domain 2: two samples accumulated a step) with the
-uninterrupted run's losses. Transolver's resumed
-run reads each rank's rows from a zarr store of the same samples (slab loading against scatter_tensor). And a model
-with an op ShardTensor has no handler for is refused in one line that names it, nothing written.
+(points): the tool writes a run that imports no shardlab; under one torchrun of 4 CPU ranks (ddp 2 × domain 2), the
+run's own parity test holds (``test_parity.main``) and then 4 steps train (``train.main``), saving a checkpoint every
+2 steps; the run as it stood after step 2 resumes from that checkpoint on 2 ranks (ddp 1 × domain 2: two samples
+accumulated a step) with the uninterrupted run's losses. Transolver's resumed run reads each rank's rows from a zarr
+store of the same samples (slab loading against scatter_tensor). A model with a replicated input trains alike from
+scatter_tensor and from a zarr store (its replicated input read whole on every rank). And a model with an op
+ShardTensor has no handler for is refused in one line that names it, nothing written.
+
+The port's own audit and parity run on 2 ranks (``--ranks 2``): the 4-rank check is the written run's.
 
     .venv/bin/python -m pytest tests/multirank/test_port.py -q -p no:randomly
 """
@@ -35,6 +38,37 @@ def on_ranks(folder: Path, n: int, script: str, *args) -> str:
     return result.stdout
 
 
+# One torchrun for the written run's two programs, as their own launch lines run them: test_parity.main, then
+# train.main (argv: train.py's options), on the same ranks (neither ends a process group it did not start).
+BOTH = """
+import sys
+
+import test_parity
+import train
+from physicsnemo.distributed import DistributedManager
+
+train.start(domain=int(sys.argv[1]))
+held = test_parity.main(["--domain", sys.argv[1]])
+train.main(["--domain", sys.argv[1], *sys.argv[2:]])
+DistributedManager.cleanup(barrier=True)
+sys.exit(held)
+"""
+
+
+def check_then_train(run: Path, domain: int, *args) -> str:
+    (run / "both.py").write_text(BOTH)
+    try:
+        return on_ranks(run, 4, "both.py", str(domain), *args)
+    finally:
+        (run / "both.py").unlink()
+
+
+def write_store(run: Path, *args) -> None:
+    """train.py --write-zarr: one plain process (it returns before any rank starts)."""
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def losses(out: str) -> dict[int, float]:
     return {int(step): float(value) for step, value in STEP.findall(out)}
 
@@ -57,7 +91,7 @@ def imports(folder: Path) -> set[str]:
 ])
 def test_the_port_writes_a_run_that_holds_parity_and_resumes_on_another_layout(model, target, size, slab, tmp_path,
                                                                                 no_leftovers):
-    done = port(model, *target, "--out", str(tmp_path / "run"), cwd=tmp_path)
+    done = port(model, *target, "--ranks", "2", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for step in ("[1/5] audit", "[2/5] parity", "[3/5] plan", "[4/5] choice", "[5/5] write"):
         assert step in done.stdout
@@ -69,12 +103,11 @@ def test_the_port_writes_a_run_that_holds_parity_and_resumes_on_another_layout(m
     readme = (run / "README.md").read_text()
     assert all(launcher in readme for launcher in ("torchrun", "mpirun", "srun", "sbatch"))
 
-    checked = on_ranks(run, 4, "test_parity.py")
-    held = re.findall(r"^parity at size \d+ .*: holds", checked, re.M)
-    assert held and "FAILS" not in checked, checked
-
-    whole = losses(on_ranks(run, 4, "train.py", "--size", str(size), "--domain", "2", "--steps", "4", *TINY,
-                            "--save-every", "2", "--checkpoints", str(tmp_path / "a")))
+    out = check_then_train(run, 2, "--size", str(size), "--steps", "4", *TINY, "--save-every", "2",
+                           "--checkpoints", str(tmp_path / "a"))
+    held = re.findall(r"^parity at size \d+ on ddp 2 x domain 2: .*: holds", out, re.M)
+    assert held and "FAILS" not in out, out
+    whole = losses(out)
     assert sorted(whole) == [1, 2, 3, 4]
     saved = sorted(p.name for p in (tmp_path / "a").glob("step-*"))
     assert len(saved) == 2 and saved[0].endswith("2") and saved[1].endswith("4"), saved
@@ -82,7 +115,7 @@ def test_the_port_writes_a_run_that_holds_parity_and_resumes_on_another_layout(m
     shutil.copytree(tmp_path / "a" / saved[0], tmp_path / "b" / saved[0])
     store = []
     if slab:
-        on_ranks(run, 1, "train.py", "--size", str(size), "--samples", "8", "--write-zarr", str(tmp_path / "store"))
+        write_store(run, "--size", str(size), "--samples", "8", "--write-zarr", str(tmp_path / "store"))
         store = ["--zarr", str(tmp_path / "store")]
     resumed_out = on_ranks(run, 2, "train.py", "--size", str(size), "--domain", "2", "--steps", "4", *TINY, *store,
                            "--checkpoints", str(tmp_path / "b"), "--resume")
@@ -92,6 +125,44 @@ def test_the_port_writes_a_run_that_holds_parity_and_resumes_on_another_layout(m
     for step in (3, 4):  # another layout: sums split differently, float64 rounding only
         assert resumed[step] == pytest.approx(whole[step], rel=1e-9), (resumed, whole)
     assert whole[4] != whole[3]  # the steps trained: the losses move
+
+
+MIXER = """
+import torch
+
+
+class Mixer(torch.nn.Module):
+    \"\"\"A field and a vector of 3 conditions every rank holds whole: the conditions weigh a convolution.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 1, 3, padding=1)
+        self.condition = torch.nn.Linear(3, 1)
+
+    def forward(self, x, c):
+        return self.conv(x) * self.condition(c)[:, :, None, None]
+"""
+
+
+@pytest.mark.multirank
+def test_a_replicated_input_read_from_a_zarr_store_trains_as_scatter_tensor_feeds_it(tmp_path, no_leftovers):
+    from shardlab.port.write import write_run
+
+    config = {"model": "Mixer", "settings": "a test's", "one_dict": False, "spatial": {}, "wrapper": "ddp",
+              "inputs": {"x": {"shape": [1, 1, "N", "N"], "shard": 2}, "c": {"shape": [1, 3], "shard": None}},
+              "target": {"shape": [1, 1, "N", "N"], "shard": 2}, "size": 12, "domain": 2, "gpus": 2, "nodes": 1,
+              "dtype": "float64", "lr": 1e-2, "seed": 0, "global_batch": 1, "steps": 3, "samples": 4, "zarr": None,
+              "parity_sizes": {"2": [12, 11]},
+              "port": {"command": "a test", "audit": [], "parity": [], "parity_held": True, "plan": "not planned",
+                       "layouts": []}}
+    run = tmp_path / "run"
+    write_run(run, config, "from mixer import Mixer\n\n\ndef build_model(size):\n    return Mixer()\n")
+    (run / "mixer.py").write_text(MIXER)
+    write_store(run, "--write-zarr", str(tmp_path / "store"))
+    fed = losses(on_ranks(run, 2, "train.py", "--checkpoints", str(tmp_path / "a")))
+    read = losses(on_ranks(run, 2, "train.py", "--zarr", str(tmp_path / "store"), "--checkpoints", str(tmp_path / "b")))
+    assert sorted(fed) == [1, 2, 3] and len(set(fed.values())) == 3, fed  # it trained
+    assert read == pytest.approx(fed, rel=1e-12), (read, fed)  # the same samples, loaded the other way
 
 
 @pytest.mark.multirank

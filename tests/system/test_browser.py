@@ -122,12 +122,24 @@ def figures_and_a_passed_check(page) -> None:
     figures.last.scroll_into_view_if_needed()
 
 
+def the_written_run_and_a_passed_check(page) -> None:
+    """Lesson 15 draws no figure: the port's steps, the written run's parity on the ranks, and the check's ✓."""
+    outputs = page.locator(".jp-OutputArea-output")
+    for said in ("[5/5] write", "test_parity.parity_at(", "step 3: loss"):
+        assert outputs.filter(has_text=said).count() > 0, f"no output says {said!r}"
+    passed = outputs.filter(has_text=re.compile(r"^✓ ", re.M))
+    assert passed.count() > 0, "no exercise check printed its ✓"
+    passed.last.scroll_into_view_if_needed()
+
+
 # What to look at in each notebook once it ran, and the screenshot that shows it.
 IN_THE_BROWSER = {"09_memory_planner.ipynb": (work_the_planners_widget, "lab_planner"),
                   "10_beyond_halos.ipynb": (figures_and_a_passed_check, "lab_10_beyond_halos"),
                   "11_memory_levers.ipynb": (figures_and_a_passed_check, "lab_11_memory_levers"),
                   "12_data_at_scale.ipynb": (figures_and_a_passed_check, "lab_12_data_at_scale"),
                   "13_physicsnemo_models.ipynb": (figures_and_a_passed_check, "lab_13_physicsnemo_models"),
+                  # before 14, which restarts its ranks: 15 runs on the engines 09 started, as 10 to 13 do
+                  "15_port_your_model.ipynb": (the_written_run_and_a_passed_check, "lab_15_port_your_model"),
                   "14_see_every_rank.ipynb": (figures_and_a_passed_check, "lab_14_see_every_rank")}
 RESTART_THEIR_RANKS = {"14_see_every_rank.ipynb"}  # the last notebook here: the ones after it would run on its ranks
 
@@ -162,7 +174,7 @@ def test_notebooks_run_in_jupyterlab_one_after_the_other_and_09s_widget_replans(
                 failed[notebook] = f"{type(error).__name__}: {error}"[-3000:]
             engines.append(parked_engines())
     assert not failed, "\n\n".join(f"{notebook}: {why}" for notebook, why in failed.items())
-    # One start for them all: 10 to 13 ran on the two engines 09 started, which waited between the notebooks. 14
+    # One start for them all: 10 to 13 and 15 ran on the two engines 09 started, which waited between the notebooks. 14
     # restarts its ranks after its hang, on purpose (a process group that timed out is broken for good): its fresh
     # engines are the ones parked after it.
     before = [parked for notebook, parked in zip(IN_THE_BROWSER, engines) if notebook not in RESTART_THEIR_RANKS]

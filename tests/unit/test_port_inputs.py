@@ -1,6 +1,7 @@
 """``python -m shardlab.port``'s bad input, caught before any rank starts: one line each that says what to change,
 and nothing written. (An op without a handler needs the ranks: tests/multirank/test_port.py.)"""
 
+import json
 import sys
 import textwrap
 
@@ -82,7 +83,7 @@ def test_shapes_are_numbers_and_n(capsys):
     with pytest.raises(spec.PortError, match="each a number or N"):
         spec.parse_shape("1xMx3")
     assert spec.shape_of((1, 16, 3), (1, 32, 3), (16, 32), "x") == [1, "N", 3]
-    with pytest.raises(spec.PortError, match="neither the size nor fixed"):
+    with pytest.raises(spec.PortError, match="neither the size"):
         spec.shape_of((1, 12), (1, 20), (16, 32), "geometry")
 
 
@@ -94,3 +95,30 @@ def test_the_written_model_needs_no_shardlab():
     exec(compile(source, "model.py", "exec"), namespace)
     model = namespace["build_model"](32)
     assert type(model).__name__ == "UNet" and len(model.down) == 2 and model.down[0].out_channels == 8
+
+
+def _failing_parity(spec, ranks, timeout_s):
+    """What the job of ranks hands back for a model whose audit is clean and whose parity fails at one size (the job
+    itself runs in tests/multirank/test_port.py): the gate is the port's, not the ranks'."""
+    return {"ranks": ranks, "domain": spec["domain"], "audit": {"findings": [], "unpatched": [], "bytes": {},
+                                                                 "seconds": 0.1},
+            "parity": [{"size": size, "split": "even", "output": 3e-4, "gradient": 1e-3, "worst parameter": "w",
+                        "parameters": 1, "seconds": 0.1} for size in spec["sizes"]]}
+
+
+def test_a_run_whose_parity_fails_is_written_only_with_the_flag_named_for_what_it_skips(tmp_path, capsys,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(port.steps, "on_ranks", _failing_parity)
+    argv = ["U-Net", "--field", "1024x1024", "--gpus", "4", "--gpu", "80GiB", "--ranks", "2"]
+    line = refused(capsys, [*argv, "--out", str(tmp_path / "refused")])
+    assert "parity failed, so no run is written" in line and "--skip-parity-gate" in line
+    assert not (tmp_path / "refused").exists()
+
+    out = tmp_path / "written"
+    assert port.main([*argv, "--out", str(out), "--skip-parity-gate"]) == 0
+    printed = capsys.readouterr().out
+    assert "OVER 1e-10" in printed and f"written: {out}" in printed
+    config = json.loads((out / "run.json").read_text())
+    assert config["port"]["parity_held"] is False and any("OVER" in line for line in config["port"]["parity"])
+    readme = (out / "README.md").read_text()
+    assert "**parity FAILED**: written with --skip-parity-gate" in readme

@@ -37,7 +37,7 @@ def run(spec: dict) -> dict:
     sizes = spec["sizes"]
     say(f"audit at size {sizes[0]} on {world} ranks ...")
     t0 = time.perf_counter()
-    row["audit"] = parity._attempt("the audit", parity._audit_at, case, sizes[0], mesh, torch.float64)
+    row["audit"] = parity.attempt("the audit", parity.audit_at, case, sizes[0], mesh, torch.float64)
     row["audit"]["seconds"] = time.perf_counter() - t0
     if row["audit"].get("unpatched") or row["audit"].get("error") and "findings" not in row["audit"]:
         say("parity skipped: the audit found what to change first")
@@ -45,7 +45,7 @@ def run(spec: dict) -> dict:
     for size in sizes:
         say(f"parity at size {size} ...")
         t0 = time.perf_counter()
-        result = parity._attempt(f"parity at {size}", parity._parity_at, case, size, mesh, torch.float64)
+        result = parity.attempt(f"parity at {size}", parity.parity_at, case, size, mesh, torch.float64)
         row["parity"].append(result | {"size": size, "seconds": time.perf_counter() - t0})
     say("done")
     return row

@@ -22,32 +22,42 @@ class PortError(ValueError):
     """Bad input, or a step that failed: the message is one line saying what to change."""
 
 
-N = "N"  # the size symbol of a shape: ``1xNx3`` is (1, size, 3)
+N = "N"  # the size symbol of a shape: ``1xNx3`` is (1, size, 3); ``2N`` is twice the size (an upsampling output)
+
+
+def factor(dim) -> int | None:
+    """How many times the size a dim of a shape is: 1 for ``N``, k for ``kN``, None for a number."""
+    return int(dim[:-1] or 1) if isinstance(dim, str) else None
 
 
 def parse_shape(text: str) -> list:
-    """``"1xNx3"`` → ``[1, "N", 3]``."""
+    """``"1xNx3"`` → ``[1, "N", 3]``; ``"1x2N"`` → ``[1, "2N"]``."""
     parts = [p.strip() for p in re.split(r"[x×,]", text) if p.strip()]
-    if not parts or any(not (p == N or p.isdigit()) for p in parts):
+    if not parts or any(not (re.fullmatch(r"[1-9]\d*N|N", p) or p.isdigit()) for p in parts):
         raise PortError(f"shape {text!r}: write its dims separated by 'x', each a number or N (the size), e.g. 1xNx3.")
-    return [N if p == N else int(p) for p in parts]
+    return [p if p.endswith(N) else int(p) for p in parts]
 
 
 def at(shape: list, size: int) -> tuple[int, ...]:
-    return tuple(size if d == N else d for d in shape)
+    return tuple(d if factor(d) is None else factor(d) * size for d in shape)
 
 
 def shape_of(small: tuple, big: tuple, sizes: tuple[int, int], what: str) -> list:
-    """A shape seen at two sizes written with N: each dim is the size at both, or the same number at both."""
+    """A shape seen at two sizes written with N: each dim is the size at both (``N``), the same multiple of it at both
+    (``2N``: a model that upsamples), or the same number at both."""
     dims = []
     for d, (a, b) in enumerate(zip(small, big, strict=True)):
+        k = a // sizes[0]
         if (a, b) == sizes:
             dims.append(N)
+        elif k > 1 and (a, b) == (k * sizes[0], k * sizes[1]):
+            dims.append(f"{k}{N}")
         elif a == b:
             dims.append(int(a))
         else:
-            raise PortError(f"{what}: dim {d} is {a} at size {sizes[0]} and {b} at {sizes[1]}, neither the size nor "
-                            "fixed: the written run takes shapes of N and numbers; declare the inputs with --input.")
+            raise PortError(f"{what}: dim {d} is {a} at size {sizes[0]} and {b} at {sizes[1]}, neither the size (or a "
+                            "multiple of it) nor fixed: the written run takes shapes of N and numbers; declare the "
+                            "inputs with --input.")
     return dims
 
 
@@ -154,7 +164,7 @@ def describe(case: Case, domain: int) -> dict:
         outs.append(tuple(out.shape))
     target = shape_of(*outs, (small, big), "the output")
     spatial = dict(case.spatial) or spatial_parameters(case, domain)
-    split = [d for d, v in enumerate(target) if v == N]
+    split = [d for d, v in enumerate(target) if factor(v)]
     wanted = next(iter(case.shard.values()))
     return {"name": case.name, "settings": case.settings, "one_dict": case.one_dict,
             "declared inputs": isinstance(case.inputs, RandnInputs),

@@ -144,7 +144,7 @@ model and rank count, the domain axis every rank; each row names the device its 
 - **parity**: the model on the ranks (inputs scattered as ShardTensors on `domain`) against one process on the whole
   input, same seed; relative error, max |difference| / max |reference|, of the output and of every parameter's
   gradient (the worst named), for each size (an *uneven* split: the domain size does not divide it). A gradient below
-  a millionth of the model's largest is zero in exact arithmetic and measured against that millionth. Bound: 1e-10.
+  a ten-thousandth of the model's largest is zero in exact arithmetic and measured against that share. Bound: 1e-10.
 - **audit findings**: `sl.audit.audit_model` on the distributed model: each op ShardTensor has no handler for (and how
   to register one), each silent gather, each plain tensor every rank holds whole along the split dim (a positional
   table left replicated, named with how to shard it; an activation built whole), a backward that raised (file and

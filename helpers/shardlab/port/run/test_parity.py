@@ -19,7 +19,7 @@ import train  # train.py, next to this file: the run this test checks
 from physicsnemo.distributed import DistributedManager
 
 TOLERANCE = 1e-10
-ZERO = 1e-6  # a gradient below this share of the largest is zero in exact arithmetic: measured against that share
+ZERO = 1e-4  # a gradient below this share of the largest is zero in exact arithmetic: measured against that share
 
 
 def whole(t):
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--domain", type=int, help="ranks per domain group (default: every rank)")
     parser.add_argument("--sizes", type=int, nargs="+", help="sizes N to check (default: run.json's for the domain)")
     args = parser.parse_args(argv)
+    ours = not DistributedManager.is_initialized()  # a process that already was a rank keeps its process group
     mesh = train.start(domain=args.domain or _world())
     domain = mesh["domain"].size()
     sizes = args.sizes or train.CONFIG["parity_sizes"].get(str(domain)) or [16 * domain, 16 * domain + 1]
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
             print(f"parity at size {size} on ddp {mesh['ddp'].size()} x domain {domain}: output {row['output']:.1e}, "
                   f"worst gradient {row['gradient']:.1e} ({row['worst']}) of {row['parameters']} parameters: "
                   f"{'holds' if ok else 'FAILS'} (bound {TOLERANCE:.0e})", flush=True)
-    DistributedManager.cleanup(barrier=True)
+    if ours:
+        DistributedManager.cleanup(barrier=True)
     return 0 if held else 1
 
 

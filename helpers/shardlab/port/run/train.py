@@ -105,10 +105,16 @@ def wrap(model, mesh):
 
 # -- data: one sample per domain group (lessons 03 and 12) -------------------------------------------------------------
 
+def at(dim, size: int) -> int:
+    """A dim of run.json's shapes at ``size``: "N" is the size, "2N" twice it (a model that upsamples), a number is
+    itself."""
+    return int(dim[:-1] or 1) * size if isinstance(dim, str) else dim
+
+
 def shapes(size: int) -> dict[str, tuple[int, ...]]:
     """Each input's and the target's shape for one sample at ``size`` (N in run.json)."""
     items = {**CONFIG["inputs"], "target": CONFIG["target"]}
-    return {name: tuple(size if d == "N" else d for d in item["shape"]) for name, item in items.items()}
+    return {name: tuple(at(d, size) for d in item["shape"]) for name, item in items.items()}
 
 
 class SyntheticSamples(Dataset):
@@ -144,20 +150,32 @@ def rows_of(extent: int, n: int, index: int) -> tuple[int, int]:
     return min(index * step, extent), min((index + 1) * step, extent)
 
 
+def split_of(name: str, dim: int, size: int, n: int) -> list[tuple[int, int]]:
+    """The rows of ``name`` along ``dim`` that each of ``n`` domain ranks holds: torch.chunk's split of the size, and
+    k times it along a dim of k·N, so that an upsampled target is split as the model's output is (each rank's output
+    rows are k times its input rows, which torch.chunk of the k·N rows is not when the split is uneven)."""
+    dim_of = {**CONFIG["inputs"], "target": CONFIG["target"]}[name]["shape"][dim]
+    k = at(dim_of, 1)
+    return [(k * a, k * b) for a, b in (rows_of(size, n, r) for r in range(n))]
+
+
 def load(i: int, name: str, mesh, dataset, store, placement, device, dtype, sample=None):
     """Sample ``i``'s tensor ``name`` on this rank: with a store, only this rank's rows, read and wrapped with
     ShardTensor.from_local (no communication, no whole field anywhere: lesson 12); else the domain group's first
     rank holds the whole sample and scatter_tensor sends each rank its rows (lesson 03)."""
     domain = mesh["domain"]
     whole = (1, *store[name].shape[1:]) if store is not None else shapes(dataset.size)[name]
+    split = isinstance(placement, Shard) and domain.size() > 1
+    if split:
+        bounds = split_of(name, placement.dim, dataset.size, domain.size())
+        sizes = [tuple(b - a if d == placement.dim else s for d, s in enumerate(whole)) for a, b in bounds]
+        rows = slice(*bounds[domain.get_local_rank()])
     if store is not None:
         index = [i] + [slice(None)] * (len(whole) - 1)
-        if isinstance(placement, Shard) and domain.size() > 1:
-            bounds = [rows_of(whole[placement.dim], domain.size(), r) for r in range(domain.size())]
-            index[placement.dim] = slice(*bounds[domain.get_local_rank()])
+        if split:
+            index[placement.dim] = rows
             local = torch.from_numpy(store[name][tuple(index)][None]).to(device=device, dtype=dtype)
-            split = [tuple(b - a if d == placement.dim else s for d, s in enumerate(whole)) for a, b in bounds]
-            return ShardTensor.from_local(local, domain, [placement], sharding_shapes={0: split})
+            return ShardTensor.from_local(local, domain, [placement], sharding_shapes={0: sizes})
         local = torch.from_numpy(store[name][tuple(index)][None]).to(device=device, dtype=dtype)
         return local if domain.size() == 1 else ShardTensor.from_local(local, domain, [Replicate()],
                                                                         sharding_shapes="chunk", global_shape=whole)
@@ -165,6 +183,14 @@ def load(i: int, name: str, mesh, dataset, store, placement, device, dtype, samp
     tensor = sample[name].to(device) if sample is not None else None
     if domain.size() == 1:
         return tensor
+    if split and bounds != [rows_of(whole[placement.dim], domain.size(), r) for r in range(domain.size())]:
+        # k·N rows: not torch.chunk's split, which scatter_tensor makes. By hand, as scatter_tensor does it: the
+        # first rank's sample to the group, each rank keeps its rows.
+        if tensor is None:
+            tensor = torch.empty(whole, device=device, dtype=dtype)
+        dist.broadcast(tensor, src=source, group=domain.get_group())
+        local = tensor.narrow(placement.dim, rows.start, rows.stop - rows.start).contiguous()
+        return ShardTensor.from_local(local, domain, [placement], sharding_shapes={0: sizes})
     return scatter_tensor(tensor, source, domain, (placement,), global_shape=torch.Size(whole), dtype=dtype)
 
 
@@ -253,7 +279,7 @@ def restore(path: Path, model, optimizer, mesh, global_batch: int) -> tuple[int,
 
 # -- the run -----------------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=CONFIG["size"], help="N: the points or rows of a sample")
     parser.add_argument("--domain", type=int, default=CONFIG["domain"], help="ranks per domain group")
@@ -272,7 +298,8 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     if args.write_zarr:
         write_zarr(args.write_zarr, SyntheticSamples(args.size, args.samples, dtype))
-        return
+        return []
+    ours = not DistributedManager.is_initialized()  # a process that already was a rank keeps its process group
     mesh = start(args.timeout_s, args.domain)
     device = DistributedManager().device
     ddp = mesh["ddp"].size()
@@ -314,7 +341,9 @@ def main(argv=None) -> None:
             print(f"step {step + 1} loss {losses[-1]!r}", flush=True)
         if args.save_every and (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save(folder, step + 1, wrapped, optimizer, mesh, args.global_batch, losses)
-    DistributedManager.cleanup(barrier=True)
+    if ours:
+        DistributedManager.cleanup(barrier=True)
+    return losses
 
 
 if __name__ == "__main__":
