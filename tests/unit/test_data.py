@@ -159,6 +159,9 @@ def test_a_non_editable_install_finds_the_data_and_every_subpackage(tmp_path):
     subpackages = sorted(p.parent.name for p in (REPO / "helpers" / "shardlab").glob("*/__init__.py"))
     installed = sorted(p.parent.name for p in (target / "shardlab").glob("*/__init__.py"))
     assert installed == subpackages, "add the missing ones to helpers/pyproject.toml's packages"
+    # the files python -m shardlab.port copies into a written run: a folder without __init__.py, listed by name
+    templates = sorted(p.name for p in (REPO / "helpers" / "shardlab" / "port" / "run").glob("*.py"))
+    assert sorted(p.name for p in (target / "shardlab" / "port" / "run").glob("*.py")) == templates
 
 
 def test_normalized_darcy_scales_every_split_with_the_training_statistics():

@@ -139,8 +139,10 @@ def shards_batch_norm(batch_norm_on_shards, domain, package=None) -> str | None:
     errors["the running mean"] = _relative(norm.running_mean, norm_want.running_mean)
     errors["the running variance"] = _relative(norm.running_var, norm_want.running_var)
     errors["the output in evaluation"] = _relative(evaluated, evaluated_want)
-    worst = max(errors, key=errors.get)
-    if errors[worst] > TOLERANCE:
+    # The first to differ, in the order each depends on the one before (the evaluation output follows from the
+    # running statistics): the learner is told the cause, not its largest consequence.
+    worst = next((name for name, error in errors.items() if error > TOLERANCE), None)
+    if worst is not None:
         said = {"the running mean": ": update the running statistics as torch does (momentum, once per step)",
                 "the running variance": ": the running variance is the unbiased one, × count / (count - 1)",
                 "the output in evaluation": ": in evaluation (training False) use the running statistics"}
