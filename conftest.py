@@ -236,6 +236,15 @@ def no_leftovers(request, monkeypatch, warm_pool):
     assert not in_use, f"{request.node.nodeid} left clusters of the warm pool running: {[r.cluster_id for r in in_use]}"
 
 
+@pytest.fixture
+def pool(tmp_path, monkeypatch):
+    """A warm pool of this test's own (shardlab.ranks.warm), in its temporary folder; stopped at the end."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the pool's folder goes there
+    made = warm.Pool.create(procs.origin(), idle_s=60)
+    yield made
+    made.stop()
+
+
 def _describe(processes) -> list:
     described = []
     for p in processes:

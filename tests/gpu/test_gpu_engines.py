@@ -183,12 +183,9 @@ def test_a_parked_rank_gives_back_its_groups_and_gpu_memory_but_keeps_its_cuda_c
 
 
 @pytest.fixture
-def pool(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    made = warm.Pool.create(procs.origin(), idle_s=60)
-    monkeypatch.setenv(warm.POOL, str(made.folder))
-    yield made
-    made.stop()
+def pool(pool, monkeypatch):
+    monkeypatch.setenv(warm.POOL, str(pool.folder))  # conftest's pool, as this kernel's
+    return pool
 
 
 def _park_marker(pool, cluster_id: str, shape: dict) -> None:

@@ -15,48 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from gone import ENDS_WITHIN_S, wait_gone
 from shardlab.ranks import procs, warden, warm
-
-SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
-ENDS_WITHIN_S = 10.0  # after the owner's death
-
-
-@pytest.fixture
-def started():
-    """Popen of a process this test starts; each is killed and reaped at the end, whatever happened."""
-    children: list[subprocess.Popen] = []
-
-    def start(cmd=SLEEP, **env) -> subprocess.Popen:
-        children.append(subprocess.Popen(cmd, env=os.environ | procs.marked_environment() | env))
-        return children[-1]
-
-    yield start
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-
-
-def _running(processes: list[tuple[int, float]]) -> list[str]:
-    """The recorded processes still running (zombies excluded), described."""
-    out = []
-    for proc in procs.alive(processes):
-        try:
-            out.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
-        except psutil.Error:
-            pass
-    return out
-
-
-def _wait_gone(processes: list[tuple[int, float]], since: float) -> list[str]:
-    """Poll until none of ``processes`` runs, at most until ``since`` + ENDS_WITHIN_S; what still runs then."""
-    while (left := _running(processes)) and time.monotonic() < since + ENDS_WITHIN_S:
-        time.sleep(0.1)
-    return left
-
 
 # -- real clusters, their owner killed ------------------------------------------------------------------------------
 
@@ -115,7 +77,7 @@ def test_a_killed_kernels_ranks_end_within_10_s(no_leftovers, ranks, sig):
         owner.send_signal(sig)
         killed = time.monotonic()
         owner.wait(timeout=30)
-        left = _wait_gone(everything, killed)
+        left = wait_gone(everything, killed)
         assert not left, f"{ranks} ranks: still running {ENDS_WITHIN_S:.0f} s after {sig.name} to the owner: {left}"
         print(f"[measured] {len(everything)} processes of a {ranks}-rank cluster ended "
               f"{time.monotonic() - killed:.1f} s after {sig.name} to its owner")
@@ -140,7 +102,7 @@ def test_a_parked_clusters_ranks_end_with_its_keeper(no_leftovers, tmp_path):
         assert len(procs.alive(everything)) > 2 + 2  # engines, controller, launcher, warden (the keeper is not of it)
         keeper.kill()  # the keeper is no child of this test: it ends, and its parent has exited, so nothing waits
         killed = time.monotonic()
-        left = _wait_gone(everything, killed)
+        left = wait_gone(everything, killed)
         assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the keeper was killed: {left}"
         print(f"[measured] a parked cluster ended {time.monotonic() - killed:.1f} s after its keeper was killed")
     finally:

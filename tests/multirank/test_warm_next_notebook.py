@@ -14,15 +14,6 @@ import pytest
 import shardlab as sl
 from shardlab.ranks import procs, warm
 
-
-@pytest.fixture
-def pool(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the pool's folder goes there
-    made = warm.Pool.create(procs.origin(), idle_s=60)
-    yield made
-    made.stop()
-
-
 # -- on real ranks -----------------------------------------------------------------------------------------------
 
 # The previous notebook: it leaves every kind of state behind on 2 ranks, notes what a rank held before a large

@@ -1,5 +1,6 @@
 """What a learner sees in red: every line 00, 12 and 13 write to stderr, the kernel's and each rank's, is on the
-allow-list below with the reason the series shows it; any other line fails the test, naming the cell.
+allow-list (tests/support/stderr_allowed.py) with the reason the series shows it; any other line fails the
+test, naming the cell.
 
 The notebooks run as JupyterLab runs them. Under pytest, ipykernel forwards only what Python writes to sys.stderr:
 what C libraries write to file descriptor 2 (Warp, torch's profiler) is forwarded only when the kernel does not see
@@ -20,28 +21,10 @@ import pytest
 
 from notebook_runner import run_notebook
 from shardlab.ranks import px, warm
+from stderr_allowed import unexplained
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 CHECKED = ("00_setup", "12_data_at_scale", "13_physicsnemo_models")
-
-# (pattern a whole line must match, why a learner may see it)
-ALLOWED = [
-    (r"\[stderr:\d+\] ?", "ipyparallel's label over what one rank wrote to stderr: it names the rank, it says nothing"),
-]
-
-
-def stderr_lines(nb) -> list[tuple[int, str]]:
-    """(cell index, line) of every non-blank line in the stderr stream outputs of ``nb``'s cells."""
-    return [(index, line) for index, cell in enumerate(nb.cells) for output in cell.get("outputs", [])
-            if output.get("output_type") == "stream" and output.get("name") == "stderr"
-            for line in output["text"].splitlines() if line.strip()]
-
-
-def unexplained(nb) -> list[str]:
-    """The stderr lines of ``nb`` that no ALLOWED pattern matches, each with its cell: what the test fails on."""
-    return [f"cell {index}: {line}" for index, line in stderr_lines(nb)
-            if not any(re.fullmatch(pattern, line) for pattern, _ in ALLOWED)]
-
 
 def as_in_jupyterlab() -> dict:
     """This environment without what pytest and the session's warm pool add: the kernel then forwards C libraries'

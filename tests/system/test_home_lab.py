@@ -16,32 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from learner_shell import learners_environment, make_exports
+
 ROOT = Path(__file__).resolve().parents[2]
 STATE = ROOT / ".state"
-# What the Makefile points into .state, and the tools that read each (checked in their sources: jupyter_core.paths,
-# jupyterlab.commands, IPython.paths, matplotlib.get_configdir, warp.config, triton.knobs, pip, uv, npm; CUDA's
-# documented CUDA_CACHE_PATH).
-EXPORTED = ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR",
-            "JUPYTERLAB_WORKSPACES_DIR", "IPYTHONDIR", "MPLCONFIGDIR", "WARP_CACHE_PATH", "TRITON_HOME",
-            "CUDA_CACHE_PATH", "PIP_CACHE_DIR", "UV_CACHE_DIR", "npm_config_cache")
-
-
-def _learners_environment(home: Path) -> dict:
-    """A learner's shell: HOME is ``home``, and none of the folders this test session points elsewhere (conftest.py
-    sends IPython's, Jupyter's runtime and matplotlib's to the temp folder) is set: only the Makefile's count."""
-    unset = ("MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV", "SHARDLAB_WARM_POOL", *EXPORTED)
-    return {k: v for k, v in os.environ.items() if k not in unset and not k.startswith("JUPYTER")} | {"HOME": str(home)}
-
-
-def _make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-
-
-def _exported(env: dict | None = None) -> dict[str, str]:
-    out = _make("-s", "print-env", env=env)
-    assert out.returncode == 0, out.stderr
-    return dict(line.split("=", 1) for line in out.stdout.splitlines())
 
 
 def _files_in(folder: Path) -> list[str]:
@@ -82,8 +60,8 @@ def test_make_lab_with_a_kernel_and_ranks_writes_nothing_into_the_home_folder(tm
     the terminal showed neither the unencrypted-kernel nor the unsigned-messages warning."""
     home = tmp_path / "home"
     home.mkdir()
-    env = _learners_environment(home)
-    runtime = Path(_exported(env)["JUPYTER_RUNTIME_DIR"])
+    env = learners_environment(home)
+    runtime = Path(make_exports(env)["JUPYTER_RUNTIME_DIR"])
     port, token = _free_port(), secrets.token_hex(16)
     base = f"http://localhost:{port}"
     controller, terminal = pty.openpty()  # Jupyter asks before it stops on Ctrl-C only when stdin is a terminal

@@ -9,37 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from learner_shell import EXPORTED, learners_environment, make, make_exports
+
 ROOT = Path(__file__).resolve().parents[2]
 STATE = ROOT / ".state"
-# What the Makefile points into .state, and the tools that read each (checked in their sources: jupyter_core.paths,
-# jupyterlab.commands, IPython.paths, matplotlib.get_configdir, warp.config, triton.knobs, pip, uv, npm; CUDA's
-# documented CUDA_CACHE_PATH).
-EXPORTED = ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR",
-            "JUPYTERLAB_WORKSPACES_DIR", "IPYTHONDIR", "MPLCONFIGDIR", "WARP_CACHE_PATH", "TRITON_HOME",
-            "CUDA_CACHE_PATH", "PIP_CACHE_DIR", "UV_CACHE_DIR", "npm_config_cache")
 NEWS = "@jupyterlab/apputils-extension:notification"
 
 
-def _learners_environment(home: Path) -> dict:
-    """A learner's shell: HOME is ``home``, and none of the folders this test session points elsewhere (conftest.py
-    sends IPython's, Jupyter's runtime and matplotlib's to the temp folder) is set: only the Makefile's count."""
-    unset = ("MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV", "SHARDLAB_WARM_POOL", *EXPORTED)
-    return {k: v for k, v in os.environ.items() if k not in unset and not k.startswith("JUPYTER")} | {"HOME": str(home)}
-
-
-def _make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-
-
-def _exported(env: dict | None = None) -> dict[str, str]:
-    out = _make("-s", "print-env", env=env)
-    assert out.returncode == 0, out.stderr
-    return dict(line.split("=", 1) for line in out.stdout.splitlines())
-
-
 def test_make_exports_every_folder_into_the_checkouts_state_which_git_ignores(tmp_path):
-    exported = _exported(_learners_environment(tmp_path) | {"JUPYTER_CONFIG_DIR": str(tmp_path / "mine")})
+    exported = make_exports(learners_environment(tmp_path) | {"JUPYTER_CONFIG_DIR": str(tmp_path / "mine")})
     assert sorted(exported) == sorted(EXPORTED)
     for name, value in exported.items():
         assert Path(value).is_relative_to(STATE), f"{name}={value} is not in {STATE}"
@@ -48,19 +26,19 @@ def test_make_exports_every_folder_into_the_checkouts_state_which_git_ignores(tm
 
 
 def test_make_lab_takes_port_address_and_no_browser_from_its_command_line_only():
-    line = _make("-n", "lab", "PORT=8899", "IP=0.0.0.0", "BROWSER=no").stdout
+    line = make("-n", "lab", "PORT=8899", "IP=0.0.0.0", "BROWSER=no").stdout
     assert "--ServerApp.port=8899 --ServerApp.port_retries=0 --ServerApp.ip=0.0.0.0 --no-browser" in line, line
     # BROWSER and PORT in the environment mean other things (Python's webbrowser, a platform's port): not read.
-    plain = _make("-n", "lab", env=os.environ | {"BROWSER": "no", "PORT": "1", "IP": "1.2.3.4"}).stdout
+    plain = make("-n", "lab", env=os.environ | {"BROWSER": "no", "PORT": "1", "IP": "1.2.3.4"}).stdout
     assert "--no-browser" not in plain and "--ServerApp.port" not in plain and "1.2.3.4" not in plain, plain
 
 
 def test_kernel_user_keeps_installing_into_the_users_own_data_folder():
     """The one command that writes into the home folder: with the user's JUPYTER_DATA_DIR unset, .state's is unset
     for it (ipykernel then installs into ~/.local/share/jupyter/kernels); set, it is the user's."""
-    plain = _make("-n", "kernel-user", env=_learners_environment(Path("/nonexistent"))).stdout
+    plain = make("-n", "kernel-user", env=learners_environment(Path("/nonexistent"))).stdout
     assert "env -u JUPYTER_DATA_DIR " in plain and "--user" in plain, plain
-    mine = _make("-n", "kernel-user", env=os.environ | {"JUPYTER_DATA_DIR": "/srv/mine"}).stdout
+    mine = make("-n", "kernel-user", env=os.environ | {"JUPYTER_DATA_DIR": "/srv/mine"}).stdout
     assert "env JUPYTER_DATA_DIR=/srv/mine " in mine, mine
 
 

@@ -11,13 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from gone import ENDS_WITHIN_S, running, wait_gone
 from shardlab.ranks import procs, warden
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
-ENDS_WITHIN_S = 10.0  # after the owner's death
 
 
 @pytest.fixture
@@ -34,24 +33,6 @@ def started():
         if child.poll() is None:
             child.kill()
         child.wait(timeout=30)
-
-
-def _running(processes: list[tuple[int, float]]) -> list[str]:
-    """The recorded processes still running (zombies excluded), described."""
-    out = []
-    for proc in procs.alive(processes):
-        try:
-            out.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
-        except psutil.Error:
-            pass
-    return out
-
-
-def _wait_gone(processes: list[tuple[int, float]], since: float) -> list[str]:
-    """Poll until none of ``processes`` runs, at most until ``since`` + ENDS_WITHIN_S; what still runs then."""
-    while (left := _running(processes)) and time.monotonic() < since + ENDS_WITHIN_S:
-        time.sleep(0.1)
-    return left
 
 
 def _cluster_of_sleepers(started, profile_dir: str, owner: subprocess.Popen) -> tuple[procs.Record, list]:
@@ -76,7 +57,7 @@ def test_a_dead_owners_cluster_ends_and_nothing_else_does(registry, started):
 
     owner.send_signal(signal.SIGKILL)  # not reaped yet: a zombie owner is no owner
     killed = time.monotonic()
-    left = _wait_gone(doomed, killed)
+    left = wait_gone(doomed, killed)
     assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the owner was killed: {left}"
     assert all(p.poll() is None for p in (other_cluster, unmarked, other_record))
     assert not record.path.exists() and not Path(profile).exists()
@@ -86,7 +67,7 @@ def test_a_dead_owners_cluster_ends_and_nothing_else_does(registry, started):
 def test_a_cluster_stopped_by_its_owner_lets_its_warden_go(registry, started, tmp_path):
     record, (_, _, watcher) = _cluster_of_sleepers(started, str(tmp_path), started())
     record.clean_up(grace_s=1.0)  # what cluster.stop() does
-    left = _wait_gone([watcher], time.monotonic())
+    left = wait_gone([watcher], time.monotonic())
     assert not left, f"the warden outlived its cluster's record: {left}"
 
 
@@ -100,10 +81,10 @@ def test_a_cluster_handed_over_follows_its_new_owner(registry, started, tmp_path
     first.kill()
     first.wait()
     time.sleep(4 * warden.POLL_S)  # the warden reads the record every POLL_S: let it see the first owner gone
-    assert len(_running(doomed)) == 3 and record.path.exists()
+    assert len(running(doomed)) == 3 and record.path.exists()
     second.kill()
     killed = time.monotonic()
-    left = _wait_gone(doomed, killed)
+    left = wait_gone(doomed, killed)
     assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the new owner was killed: {left}"
 
 

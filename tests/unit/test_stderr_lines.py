@@ -1,27 +1,9 @@
 """The stderr allow-list of tests/notebooks/test_stderr.py, without a kernel: a line not on the list is reported
 with its cell."""
 
-import re
-
 import nbformat
 
-# (pattern a whole line must match, why a learner may see it)
-ALLOWED = [
-    (r"\[stderr:\d+\] ?", "ipyparallel's label over what one rank wrote to stderr: it names the rank, it says nothing"),
-]
-
-
-def stderr_lines(nb) -> list[tuple[int, str]]:
-    """(cell index, line) of every non-blank line in the stderr stream outputs of ``nb``'s cells."""
-    return [(index, line) for index, cell in enumerate(nb.cells) for output in cell.get("outputs", [])
-            if output.get("output_type") == "stream" and output.get("name") == "stderr"
-            for line in output["text"].splitlines() if line.strip()]
-
-
-def unexplained(nb) -> list[str]:
-    """The stderr lines of ``nb`` that no ALLOWED pattern matches, each with its cell: what the test fails on."""
-    return [f"cell {index}: {line}" for index, line in stderr_lines(nb)
-            if not any(re.fullmatch(pattern, line) for pattern, _ in ALLOWED)]
+from stderr_allowed import ALLOWED, unexplained
 
 
 def test_a_line_not_on_the_list_is_reported_with_its_cell():

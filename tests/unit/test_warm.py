@@ -15,14 +15,6 @@ from shardlab.ranks import procs, warm
 SHAPE = warm.shape_of(2, "cpu", "mpi", "openmpi", "127.0.0.1", None)
 
 
-@pytest.fixture
-def pool(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the pool's folder goes there
-    made = warm.Pool.create(procs.origin(), idle_s=60)
-    yield made
-    made.stop()
-
-
 def _parked(pool, cluster_id, parked_by, keeper, deadline_s=60.0, shape=SHAPE):
     """A parked marker and its (process-less) record, as ``warm.park`` leaves them."""
     procs.Record(cluster_id, *keeper, profile_dir="", folder=str(pool.folder)).save()
