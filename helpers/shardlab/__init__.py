@@ -11,13 +11,14 @@ Three groups, by who uses them:
 Layers, lowest first. A module imports only from layers below its own; ``tests/unit/test_layers.py`` checks every
 import, including those inside functions, against this list.
 
-- (below them all) ``nodelist``: Slurm's node lists as host names, which ``workarounds`` reads
+- (below them all) ``nodelist``: Slurm's node lists as host names, which ``workarounds`` reads;
+  ``ranks.forkstub``: what the launcher starts for a rank when a fork server runs (standard library only)
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place); ``quiet``
    (upstream messages the series knows are harmless, silenced where they start: installed at import, below);
    ``progress`` (each check's result, for the instructor's class view, where one is set up); ``answers`` (the
-   exercises' reference answers, found by name); ``ranks.forkstub``, ``ranks.forkchild`` (what the launcher starts
-   for a rank when a fork server runs, and what a forked child does to become that rank's engine)
+   exercises' reference answers, found by name); ``ranks.forkchild`` (what a forked child does to become a rank's
+   engine)
 1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
    processes shardlab started), ``ranks.programs`` (where
    mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
@@ -54,8 +55,8 @@ notebook kernel does not import PhysicsNeMo until it asks for something that nee
 import importlib
 
 LAYERS = (
-    ("nodelist",),
-    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers", "ranks.forkstub", "ranks.forkchild"),
+    ("nodelist", "ranks.forkstub"),
+    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers", "ranks.forkchild"),
     ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
     ("ranks.forkserver",),
     ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon", "ranks.warden"),

@@ -9,15 +9,15 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import gc
-import json
 import os
 import random
 import signal
 import socket
-import struct
 import sys
 import threading
 from pathlib import Path
+
+from .forkstub import send_request
 
 PR_SET_PDEATHSIG = 1
 STARTED_ENVIRONMENT: dict[str, str] | None = None  # in a forked engine: the environment its launcher gave it
@@ -108,10 +108,9 @@ def start_nanny(**kwargs):
     try:
         conn.connect(SERVER_SOCKET)
         # The engine's pid after the module: the nanny ignores its arguments; ps and cluster.memory() name it by it.
-        request = json.dumps({"argv": ["-m", "ipyparallel.engine.nanny", str(os.getpid())], "cwd": os.getcwd(),
-                              "watch": False,
-                              "env": dict(os.environ) | {"PYTHONUNBUFFERED": "1"}}).encode()
-        socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [stdin_r, stdout_w, 2])
+        send_request(conn, {"argv": ["-m", "ipyparallel.engine.nanny", str(os.getpid())], "cwd": os.getcwd(),
+                            "watch": False, "env": dict(os.environ) | {"PYTHONUNBUFFERED": "1"}},
+                     [stdin_r, stdout_w, 2])
     finally:
         os.close(stdin_r)
         os.close(stdout_w)

@@ -40,6 +40,13 @@ def is_open(fd):
         return False
 
 
+def send_request(conn, request, files):
+    """Hand the server one request (``argv``, ``cwd``, ``env``, ...) and the files ``files`` (SCM_RIGHTS): its length
+    as 4 bytes, then its JSON, as ``forkserver.answer`` reads it."""
+    body = json.dumps(request).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(body)) + body], files)
+
+
 def read_line(conn):
     """One line from the server, without its newline ("" at EOF: the server and the engine are both gone)."""
     out = b""
@@ -71,9 +78,8 @@ def main():
     # Besides stdin, stdout and stderr, a connection the launcher handed its rank by number: MPICH's PMI_FD.
     pmi = os.environ.get("PMI_FD", "")
     files = [0, 1, 2, *([int(pmi)] if pmi.isdigit() and int(pmi) > 2 and is_open(int(pmi)) else [])]
-    request = json.dumps({"argv": sys.argv[2:], "cwd": os.getcwd(), "env": dict(os.environ), "fds": files}).encode()
     try:
-        socket.send_fds(conn, [struct.pack("!I", len(request)) + request], files)
+        send_request(conn, {"argv": sys.argv[2:], "cwd": os.getcwd(), "env": dict(os.environ), "fds": files}, files)
     except OSError as error:
         fall_back(f"the fork server did not take the request ({error})")
     answer = read_line(conn)
