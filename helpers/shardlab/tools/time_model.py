@@ -122,21 +122,15 @@ def read_lesson(path: Path, run_s: float) -> Lesson:
     return Lesson(path.stem, words, code, tuple(exercises), run_s)
 
 
-# A new notebook's run time before a `make test` has recorded it in docs/timings.md: the same measure (its test with
-# the wrong answers rehearsed, at the default 4 CPU ranks, on the 2-core machine of that page), taken by hand. The
-# page's figure replaces it as soon as `make timings` records one; delete the entry then.
-UNRECORDED_RUN_S: dict[str, float] = {}
-
 NOTEBOOK_ROW = re.compile(r"^\| `(\d\d_\w+)` \| (\d+(?:\.\d+)?) \|$", re.MULTILINE)
 
 
 def measured_run_s(timings_text: str) -> dict[str, float]:
-    """Each notebook's seconds at the default world size, from docs/timings.md's notebook table (and, for a notebook
-    the page has no row for yet, ``UNRECORDED_RUN_S``)."""
+    """Each notebook's seconds at the default world size, from docs/timings.md's notebook table."""
     found = {m[1]: float(m[2]) for m in NOTEBOOK_ROW.finditer(timings_text)}
     if not found:
         raise TimeModelError("docs/timings.md has no notebook table: run `make test`, then `make timings`")
-    return UNRECORDED_RUN_S | found
+    return found
 
 
 def lessons(notebooks: Path, timings_text: str) -> list[Lesson]:
