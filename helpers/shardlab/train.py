@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import data
 from .levers import NO_LEVERS, Levers, is_checkpointed, use_checkpointing
-from .mesh import domain_source
 
 # PhysicsNeMo is imported inside the functions that use it: the single-process reference
 # (``train_one_process``) also runs in the notebook kernel, which need not pay its import.
@@ -48,15 +47,13 @@ def evaluate(model, inputs, targets, mesh=None) -> dict[str, float]:
     device = next(model.parameters()).device
     ddp_size, replica = (mesh["ddp"].size(), mesh.get_coordinate()[0]) if mesh is not None else (1, 0)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, relative L2 error, samples
+    source = data.ScatterSource(inputs, targets)
     with torch.no_grad():
         for i in range(replica, len(inputs), ddp_size):
-            x, y = inputs[i : i + 1].to(device), targets[i : i + 1].to(device)
-            if mesh is not None and mesh["domain"].size() > 1:
-                from physicsnemo.domain_parallel import scatter_tensor
-
-                src = domain_source(mesh)
-                x = scatter_tensor(x, src, mesh["domain"], (Shard(2),))
-                y = scatter_tensor(y, src, mesh["domain"], (Shard(2),))
+            if mesh is not None:  # scattered over the domain group as in training
+                x, y = source.sample(i, mesh, device)
+            else:
+                x, y = inputs[i : i + 1].to(device), targets[i : i + 1].to(device)
             squared = (model(x) - y) ** 2
             both = torch.stack([squared.mean(), squared.sum() / (y**2).sum()])
             both = (both.full_tensor() if hasattr(both, "full_tensor") else both).double()
