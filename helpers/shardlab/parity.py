@@ -136,16 +136,6 @@ def unpatched_lines(audit) -> list[str]:
     return lines
 
 
-def relative_error(got, want, floor: float = 0.0) -> float:
-    """max |got - want| / max(max |want|, ``floor``) (``got`` gathered first when it is sharded); inf where shapes
-    differ."""
-    got = got.full_tensor() if hasattr(got, "full_tensor") else got
-    if tuple(got.shape) != tuple(want.shape):
-        return float("inf")
-    scale = max(want.abs().max().item(), floor) or 1.0
-    return (got.double() - want.double()).abs().max().item() / scale
-
-
 def _outputs(out) -> list:
     import torch
     from torch.utils._pytree import tree_flatten
@@ -209,6 +199,8 @@ def parity_at(case: Case, size: int, mesh, dtype) -> dict:
     input at ``size``, one forward and backward (what ``check`` and the port's job run): the largest relative error of
     the output and of any parameter's gradient (the worst named), and whether the split was even."""
     import torch
+
+    from .measure import relative_error
 
     whole, model, inner = _prepared(case, size, mesh, dtype)
     domain = mesh["domain"].size()

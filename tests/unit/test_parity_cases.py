@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import model_cases, parity
+from shardlab import measure, model_cases, parity
 from shardlab.audit import Audit
 from shardlab.tools import models as models_tool
 
@@ -76,9 +76,9 @@ def test_an_unpatched_op_is_named_with_how_to_register_a_handler():
 
 def test_relative_error_is_against_the_reference_with_a_floor_for_zero_gradients():
     want = torch.tensor([2.0, -4.0], dtype=torch.float64)
-    assert parity.relative_error(want + torch.tensor([0.0, 1e-3], dtype=torch.float64), want) == pytest.approx(2.5e-4)
-    assert parity.relative_error(torch.tensor([1e-17]), torch.tensor([0.0]), floor=1e-6) == pytest.approx(1e-11)
-    assert parity.relative_error(torch.zeros(3), torch.zeros(2)) == float("inf")
+    assert measure.relative_error(want + torch.tensor([0.0, 1e-3], dtype=torch.float64), want) == pytest.approx(2.5e-4)
+    assert measure.relative_error(torch.tensor([1e-17]), torch.tensor([0.0]), floor=1e-6) == pytest.approx(1e-11)
+    assert measure.relative_error(torch.zeros(3), torch.zeros(2)) == float("inf")
 
 
 def test_every_registered_model_builds_and_its_case_is_well_formed():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..check import Watch, case_generator, second_hint
+from ..measure import relative_error
 
 TOLERANCE = 1e-10  # relative, float64: what sums split differently round to (sl.parity.TOLERANCE)
 
@@ -34,13 +35,6 @@ def _model(channels: int, momentum: float, affine: bool, seed: int, device):
             torch.nn.init.uniform_(model[1].weight, 0.5, 1.5)
             torch.nn.init.uniform_(model[1].bias, -0.5, 0.5)
     return model.to(device, torch.float64)
-
-
-def _relative(got, want) -> float:
-    got = got.full_tensor() if hasattr(got, "full_tensor") else got
-    if tuple(got.shape) != tuple(want.shape):
-        return float("inf")
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
 
 def _registered(handler):
@@ -132,13 +126,13 @@ def shards_batch_norm(batch_norm_on_shards, domain, package=None) -> str | None:
     if not isinstance(out, ShardTensor) or tuple(out.placements) != (Shard(2),):
         return (f"on {what}, the model's output is a {type(out).__name__} "
                 f"{tuple(getattr(out, 'placements', ()))}: return a ShardTensor split as the input is, Shard(2)")
-    errors = {"the output": _relative(out, want)}
+    errors = {"the output": relative_error(out, want)}
     for (name, p), q in zip(model.named_parameters(), whole.parameters(), strict=True):
-        errors[f"the gradient of {name}"] = float("inf") if p.grad is None else _relative(p.grad, q.grad)
+        errors[f"the gradient of {name}"] = float("inf") if p.grad is None else relative_error(p.grad, q.grad)
     norm, norm_want = model[1], whole[1]
-    errors["the running mean"] = _relative(norm.running_mean, norm_want.running_mean)
-    errors["the running variance"] = _relative(norm.running_var, norm_want.running_var)
-    errors["the output in evaluation"] = _relative(evaluated, evaluated_want)
+    errors["the running mean"] = relative_error(norm.running_mean, norm_want.running_mean)
+    errors["the running variance"] = relative_error(norm.running_var, norm_want.running_var)
+    errors["the output in evaluation"] = relative_error(evaluated, evaluated_want)
     # The first to differ, in the order each depends on the one before (the evaluation output follows from the
     # running statistics): the learner is told the cause, not its largest consequence.
     worst = next((name for name, error in errors.items() if error > TOLERANCE), None)

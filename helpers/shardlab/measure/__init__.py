@@ -366,5 +366,15 @@ def max_diff_to_source(module, group, src: int) -> float:
     return worst.item()
 
 
+def relative_error(got, want, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, ``floor``), in float64 (``got`` gathered first when it is sharded); inf
+    where the shapes differ. Parity's measure (``sl.parity``) and the judges' (``sl.exercises``)."""
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    if tuple(got.shape) != tuple(want.shape):
+        return float("inf")
+    scale = max(want.abs().max().item(), floor) or 1.0
+    return (got.double() - want.double()).abs().max().item() / scale
+
+
 from . import timeline  # noqa: E402, F401  (lesson 14: where a step's time goes on each rank)
 from .host import FileReads, HostPeak, measure_loading  # noqa: E402, F401  (lesson 12; host imports this module)

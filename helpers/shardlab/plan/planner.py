@@ -17,11 +17,13 @@ from .inputs import DTYPES, OPTIMIZERS, GiB, check_loading, fmt_bytes, is_case
 from .records import BUFFERS, Plan, RankBytes, headroom
 from .search import DomainSearch
 from .trace import (
+    CalledFunctions,
     FFTDims,
     Trace,
     blocks,
     conv_halo,
     fsdp_shards,
+    handlers_note,
     local_slices,
     nbytes,
     optimizer_state,
@@ -99,9 +101,9 @@ class Planner(DomainSearch):
                 raise ValueError(f"a {field_dims}-D field {self.field_shape} given to a model with "
                                  f"{type(m).__name__} layers: give a {len(m.kernel_size)}-D field, or a model "
                                  f"built for {field_dims}-D fields (conv_model({field_dims}, ...)).")
-        self.ffts = FFTDims()
+        self.ffts, called = FFTDims(), CalledFunctions()
         try:
-            with torch.no_grad(), self.ffts:
+            with torch.no_grad(), self.ffts, called:
                 probe = self.model(torch.empty(self.field_shape, dtype=dtype, device="meta"))
         except (RuntimeError, ValueError, TypeError) as error:  # a model of something else than one field
             raise ValueError(f"the model cannot run on a field of shape {self.field_shape}: "
@@ -109,10 +111,12 @@ class Planner(DomainSearch):
                              "(N, C, *spatial) split along a spatial dim; any other model (points and their "
                              "coordinates, several inputs: Transolver) is planned from its parity case and a size: "
                              "sl.plan.Planner(sl.model_cases.transolver, 10**6).") from None
-        if tuple(probe.shape[2:]) != self.field_shape[2:]:
-            raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles "
-                             "field-to-field models that keep the spatial size.")
-        self.out_channels = probe.shape[1]
+        out = tuple(probe.shape[2:])
+        if len(out) != field_dims or any(o < i or o % i for o, i in zip(out, self.field_shape[2:])):
+            raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles field-"
+                             "to-field models whose output keeps each spatial size or multiplies it (upsampling: 2N).")
+        self.out_channels, self.target_shape = probe.shape[1], (self.field_shape[0], probe.shape[1], *out)
+        self.handlers_note = handlers_note(called.called)  # "" unless an op runs through a handler of user code
         self._models: dict[tuple, torch.nn.Module] = {}  # per (checkpoint, param_dtype): the model as levers make it
         self._traces: dict[tuple, Trace] = {}
         self._states: dict[tuple, _State] = {}
@@ -141,7 +145,7 @@ class Planner(DomainSearch):
         key = (domain > 1, position == 0, position == domain - 1, rows,  # all a rank's slice depends on
                levers.checkpoint, levers.autocast, levers.param_dtype, self.loading)
         if key not in self._traces:
-            self._traces[key] = trace_rank(self._model(levers), self.field_shape, self.out_channels, self.dtype,
+            self._traces[key] = trace_rank(self._model(levers), self.field_shape, self.target_shape, self.dtype,
                                            self.dim, domain, position, self.workspace, levers, self.loading)
         return self._traces[key]
 
@@ -254,8 +258,7 @@ class Planner(DomainSearch):
         """Bytes of the whole input and the whole target: what scatter_tensor broadcasts to every rank of a domain
         (slab loading reads none of it whole)."""
         elsize = torch.empty((), dtype=self.dtype).element_size()
-        return (math.prod(self.field_shape) * elsize,
-                math.prod((self.field_shape[0], self.out_channels, *self.field_shape[2:])) * elsize)
+        return math.prod(self.field_shape) * elsize, math.prod(self.target_shape) * elsize
 
     def _transient(self) -> int:
         if self.loading == "slab":
@@ -281,6 +284,7 @@ class Planner(DomainSearch):
             notes.append(f"{self.workspace.label}: {self.workspace.summary()}")
         if domain > 1:
             notes.append(self._loading_note())
+            notes += [self.handlers_note] if self.handlers_note else []
         return Plan(rows, self.field_shape, str(self.dtype).removeprefix("torch."), ddp, domain, wrapper,
                     self.optimizer, self.name, time.perf_counter() - t0, notes, levers, self.loading)
 

@@ -89,6 +89,37 @@ class FFTDims(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CalledFunctions(TorchFunctionMode):
+    """Inside ``with``: every torch function called (``called``), as ShardTensor keys its function handlers."""
+
+    def __init__(self):
+        super().__init__()
+        self.called: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.called.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def handlers_note(called) -> str:
+    """What a plan leaves out where some of the functions ``called`` run through a ShardTensor handler registered from
+    outside PhysicsNeMo (``ShardTensor.register_function_handler``, physicsnemo/domain_parallel/shard_tensor.py:907):
+    the replay, on plain tensors, runs each as torch does, not as that handler does. "" where none does."""
+    from physicsnemo.domain_parallel import ShardTensor
+
+    found = {}
+    for func in called:
+        handler = ShardTensor._function_registry.get(func)
+        module = getattr(handler, "__module__", None) or ""
+        if handler is not None and not module.startswith("physicsnemo"):
+            found[f"{getattr(func, '__module__', '') or ''}.{getattr(func, '__name__', func)}".lstrip(".")] = module
+    if not found:
+        return ""
+    return (f"{', '.join(sorted(found))}: replayed as torch runs them on a rank's rows, not as the ShardTensor "
+            f"handlers registered for them from {', '.join(sorted(set(found.values())))} do; what those hold above "
+            "that (their own saved tensors and temporaries) is not in this plan: measure a step with the handlers")
+
+
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -281,7 +312,7 @@ class _ReplayedModel(torch.nn.Module):
         return self.replay.forward(self.module, x)
 
 
-def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, domain: int, position: int,
+def trace_rank(model, field_shape: tuple, target_shape: tuple, dtype, dim: int, domain: int, position: int,
                workspace=None, levers: Levers = NO_LEVERS, loading: str = "scatter") -> Trace:
     """One rank's training step (``sl.train.training_step``) on the meta device: the batch as ``loading`` makes it
     (``"scatter"``: the whole fields, then this rank's slice; ``"slab"``: only this rank's rows, in storage of their
@@ -297,21 +328,22 @@ def trace_rank(model, field_shape: tuple, out_channels: int, dtype, dim: int, do
     saved = _SavedOnMeta({storage_id(p) for p in params}, padded)
     for p in params:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
-    target_shape = (field_shape[0], out_channels, *field_shape[2:])
-
     size = -(-field_shape[dim] // domain)  # torch.chunk's slices, as scatter_tensor cuts them
     start, stop = min(position * size, field_shape[dim]), min((position + 1) * size, field_shape[dim])
+    # Each tensor with how many of its rows one input row makes: the target's are the output's, k times the input's
+    # where the model multiplies the sharded dim by k.
+    tensors = ((field_shape, 1), (target_shape, target_shape[dim] // field_shape[dim]))
 
     def scatter():  # scatter_tensor: the whole tensor on every rank, then this rank's slice (a view where it can be)
         fields = []
-        for shape in (field_shape, target_shape):
+        for shape, k in tensors:
             full = torch.empty(shape, dtype=dtype, device="meta")
-            fields.append(full.narrow(dim, start, stop - start).contiguous() if domain > 1 else full)
+            fields.append(full.narrow(dim, k * start, k * (stop - start)).contiguous() if domain > 1 else full)
         return fields
 
     def slab():  # read from storage: this rank's rows only, a fresh tensor that ShardTensor.from_local wraps
-        return [torch.empty((*shape[:dim], stop - start, *shape[dim + 1:]), dtype=dtype, device="meta")
-                for shape in (field_shape, target_shape)]
+        return [torch.empty((*shape[:dim], k * (stop - start), *shape[dim + 1:]), dtype=dtype, device="meta")
+                for shape, k in tensors]
 
     def sharded():
         if domain == 1:

@@ -112,7 +112,8 @@ def port(model: str, *, out, gpus: int, gpu: str, field: str | None = None, poin
             rows = steps.candidates(planner, target, bool(spec["spatial"]))
         except (ValueError, RuntimeError) as error:
             unplanned = f"the planner cannot plan {case.name} yet: {str(error).splitlines()[0][:300]}"
-    _done(t, times, "plan", [steps.layout_line(r) for r in rows] or [unplanned])
+    caveat = getattr(planner, "handlers_note", "") if rows else ""  # what the plan leaves out, if anything
+    _done(t, times, "plan", [*map(steps.layout_line, rows), *[caveat][:bool(caveat)]] if rows else [unplanned])
 
     t = _step(4, "choice", "the smallest domain that fits")
     if rows:
@@ -145,9 +146,13 @@ def port(model: str, *, out, gpus: int, gpu: str, field: str | None = None, poin
         "domain": chosen["domain"], "gpus": gpus, "nodes": nodes, "dtype": dtype, "lr": 1e-3, "seed": 0,
         "global_batch": global_batch or chosen["ddp"], "steps": steps_,
         "samples": max(64, 4 * (global_batch or chosen["ddp"])), "zarr": zarr,
-        "parity_sizes": {str(row["domain"]): spec["sizes"]},
+        # The sizes the case checks at each domain size a user may run test_parity.py at (the chosen one, each
+        # divisor of the GPUs, README's 4 ranks): the written run cannot ask the case (a U-Net's pooling wants
+        # rows a domain of 4 splits evenly, not 16·4 + 1).
+        "parity_sizes": {str(d): [int(s) for s in case.sizes(d)] for d in sorted(
+            {row.get("domain", ranks), chosen["domain"], 4, *(d for d in range(1, gpus + 1) if gpus % d == 0)})},
         "port": {"command": command or f"sl.port.port({model!r}, ...)", "audit": shown, "parity": lines,
-                 "parity_held": held, "plan": reason, "layouts": rows}}
+                 "parity_held": held, "plan": reason + (f". {caveat}" if caveat else ""), "layouts": rows}}
     files = write_run(out, config, model_py)
     _done(t, times, "write", [f"{out}/: {', '.join(files)}", f"check it: cd {out} && torchrun --nproc-per-node "
                               f"{ranks} test_parity.py"])

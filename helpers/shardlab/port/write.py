@@ -60,6 +60,8 @@ def readme(config: dict) -> str:
         parity += "\n  - **parity FAILED**: written with --skip-parity-gate; this run trains a wrong model until fixed"
     planned = config["port"]["plan"]
     loading = "slab (zarr)" if config["zarr"] else "scatter_tensor"
+    mpich = (f"mpiexec -n {k['gpus']} -ppn {k['per_node']} -hosts $NODES -genv MASTER_ADDR $HEAD "
+             "-genv MASTER_PORT 29500 python train.py")
     return f"""# {config['model']}, domain-parallel
 
 Written by `python -m shardlab.port` ({config['port']['command']}). It imports torch and PhysicsNeMo, not shardlab.
@@ -84,17 +86,23 @@ Written by `python -m shardlab.port` ({config['port']['command']}). It imports t
 ```bash
 torchrun --nproc-per-node 4 test_parity.py          # parity on 4 ranks (CPU or GPU), before trusting a change
 torchrun --nproc-per-node {k['per_node']} --nnodes {k['nodes']} --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 train.py
-mpirun -np {k['gpus']} -x MASTER_ADDR=$HEAD -x MASTER_PORT=29500 python train.py   # OpenMPI
+mpirun -np {k['gpus']} --host $SLOTS -x MASTER_ADDR=$HEAD -x MASTER_PORT=29500 python train.py   # OpenMPI
+{mpich}   # MPICH
 srun --nodes {k['nodes']} --ntasks-per-node {k['per_node']} --gpus-per-node {k['per_node']} python train.py
 sbatch train.sbatch
 ```
 
-`$HEAD` is the first node's address (one node: `localhost`). DistributedManager reads the launcher's variables
-(torchrun, OpenMPI, Slurm); under MPICH set `PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD=ENV` with `RANK`,
-`WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (OpenMPI's method reads `MASTER_ADDR`/`MASTER_PORT`
-too, default localhost: physicsnemo/distributed/manager.py:395-396). Slurm gets `--gpus-per-node`, not
-`--gpus-per-task 1`: with one GPU per task each rank sees its GPU as `cuda:0`, while PhysicsNeMo 2.2.2 takes
-`cuda:<local rank>`.
+`$HEAD` is the first node's address (one node: `localhost`), `$NODES` the nodes, comma-separated, first node first,
+and `$SLOTS` the same with each node's GPU count (`node1:{k['per_node']},node2:{k['per_node']}`: OpenMPI starts a rank
+per slot).
+The torchrun line runs on every node at once (the c10d rendezvous numbers the nodes). DistributedManager reads the
+launcher's variables (torchrun, OpenMPI, Slurm); under MPICH `train.py` hands its `PMI_RANK`, `PMI_SIZE` and
+`MPI_LOCALRANKID` to PhysicsNeMo's ENV method (OpenMPI's method reads `MASTER_ADDR`/`MASTER_PORT` too, default
+localhost: physicsnemo/distributed/manager.py:395-396). Start `srun` on the allocation's first node, as
+`train.sbatch` does: PhysicsNeMo 2.2.2 meets rank 0 at the address of the node srun runs on
+(`SLURM_LAUNCH_NODE_IPADDR`, physicsnemo/distributed/manager.py:359), and no rank listens on a login node. Slurm
+gets `--gpus-per-node`, not `--gpus-per-task 1`: with one GPU per task each rank sees its GPU as `cuda:0`, while
+PhysicsNeMo 2.2.2 takes `cuda:<local rank>`.
 
 ## Options
 

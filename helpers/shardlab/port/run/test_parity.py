@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 def _world() -> int:
     import os
 
-    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE"):
         if name in os.environ:
             return int(os.environ[name])
     return 1

@@ -34,7 +34,7 @@ CONFIG = json.loads((Path(__file__).resolve().parent / "run.json").read_text())
 # -- ranks and the mesh (lessons 01 and 02) ---------------------------------------------------------------------------
 
 def start(timeout_s: float = 600.0, domain: int | None = None):
-    """DistributedManager from whichever launcher started this rank (torchrun, mpirun, srun), and the named
+    """DistributedManager from whichever launcher started this rank (torchrun, mpirun, mpiexec, srun), and the named
     (ddp, domain) mesh: ddp = world size / domain."""
     original = dist.init_process_group
 
@@ -46,6 +46,16 @@ def start(timeout_s: float = 600.0, domain: int | None = None):
         kwargs.setdefault("timeout", timedelta(seconds=timeout_s))
         return original(*args, **kwargs)
 
+    mpich = "PMI_RANK" in os.environ and not {"RANK", "SLURM_PROCID"} & set(os.environ)
+    if mpich and not DistributedManager.is_initialized():
+        # MPICH's mpiexec (hydra) says PMI_RANK, PMI_SIZE and MPI_LOCALRANKID; PhysicsNeMo 2.2.2 reads torchrun's,
+        # Slurm's and OpenMPI's variables only (physicsnemo/distributed/manager.py:406-418): its ENV method, given
+        # them under torchrun's names, with rank 0's address from -genv MASTER_ADDR (README).
+        os.environ.update(RANK=os.environ["PMI_RANK"], WORLD_SIZE=os.environ["PMI_SIZE"],
+                          LOCAL_RANK=os.environ.get("MPI_LOCALRANKID", "0"),
+                          PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD="ENV")
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group = init_process_group
     try:
         DistributedManager.initialize()
