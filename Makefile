@@ -162,9 +162,15 @@ slurm-start:
 slurm-stop:
 	bash scripts/local-slurm.sh stop
 
+# shardlab's bytecode, written before the tests run: Python caches it at a module's first import, except where
+# PYTHONDONTWRITEBYTECODE is set, and there every process of a run (kernels, ranks, fork servers, the tests'
+# subprocesses) would compile the shardlab modules it imports again (the fork server's share: 0.2-0.3 CPU-s).
+COMPILE_HELPERS := $(VENV)/bin/python -m compileall -q helpers/shardlab
+
 # Everything, notebooks included, two tests at a time (each worker runs one test's ranks at a time). The Slurm,
 # MPICH and browser tests run where the machine has what they need, and skip with a line saying how otherwise.
 test: $(STAMP)
+	$(COMPILE_HELPERS)
 	$(VENV)/bin/python -m pytest -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test.xml
 
 # `make test` that may set the machine up first (what CI does; as root): installs Debian's slurm-wlm, munge, mpich and
@@ -175,12 +181,15 @@ test-system: test
 # Every notebook at every world size it is tested at: every notebook at 2 ranks (run twice in one kernel) and 02, 03,
 # 05, 07 and 10 to 14 at 8 too, which `make test` leaves out for its time budget.
 test-sizes: $(STAMP)
+	$(COMPILE_HELPERS)
 	SHARDLAB_TEST_ALL_SIZES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal \
 		tests/notebooks/test_notebooks.py -k test_notebook_runs_at_other_world_sizes
 
-# What needs no ranks, no notebooks and no browser: the loop to run after every change.
+# What needs no ranks, no notebooks and no browser: the loop to run after every change. Only tests/unit and tests/gpu
+# hold `unit` tests (tests/support/tiers.py refuses one elsewhere): each worker collects only them, not every module.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -m unit -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test-fast.xml
+	$(COMPILE_HELPERS)
+	$(VENV)/bin/python -m pytest -m unit tests/unit tests/gpu -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test-fast.xml
 
 # docs/timings.md rewritten from the last `make test` and `make test-fast` and the size of .venv: the one page of
 # measured times and counts, never edited by hand.

@@ -3,7 +3,7 @@
 
 For each size, in one run, taken in turn so that a machine that gets busier or quieter affects each alike:
 
-- ``fork server``: a fresh ``sl.MPICluster(n, keep_warm=False).start()`` as it starts now (controller, mpiexec, each
+- ``fork server``: a fresh ``sl.RankCluster(n, keep_warm=False).start()`` as it starts now (controller, mpiexec, each
   rank's engine forked from a parent that imported PyTorch and PhysicsNeMo once, ``shardlab.ranks.forkserver``; then
   every rank initialises DistributedManager, and imports ShardTensor), timed from the call until it returns;
 - ``cluster``: the same start without the fork server (``SHARDLAB_FORK_ENGINES=0``): every engine imports on its own,
@@ -17,6 +17,9 @@ a parent's pages a forked child still shares) are split between the processes th
 processes take together. The cluster's processes are those it recorded (controller, launcher, engines and their
 nannies) and those marked with its id (its warden); the job's, the launcher and everything it started. The process
 that runs this script (a notebook kernel, for a learner) is in neither.
+
+Before measuring it compiles shardlab's modules into their ``__pycache__`` folders (``cache_bytecode``), as Python
+does at a first import unless PYTHONDONTWRITEBYTECODE is set; the table says when it is.
 
 Prints one table: seconds and GiB of each, and each cluster's ratio to the bare job. CPU ranks here rehearse the
 start; on GPUs the same script measures theirs (CUDA ranks when every rank has a GPU, as ``sl.place_ranks`` decides).
@@ -38,8 +41,8 @@ import time
 from pathlib import Path
 
 from shardlab import quiet
-from shardlab.ranks import devices, forkserver, launch, procs, programs, warden
-from shardlab.ranks.cluster import MPICluster
+from shardlab.ranks import commands, devices, forkserver, launch, owned, warden
+from shardlab.ranks.cluster import RankCluster
 
 # What every rank of the bare job runs: the work a cluster's rank does to be ready, then it waits for the word to end.
 RANK_PROGRAM = """
@@ -82,14 +85,14 @@ def pss_gib(pids: list[int]) -> float:
 def cluster_start(n: int, fork: bool = False) -> dict:
     """A fresh cluster of ``n`` ranks (``fork``: its engines forked from a fork server; else each imports on its own):
     seconds to start, PSS of its processes once started, how many."""
-    cluster = MPICluster(n=n, keep_warm=False)
+    cluster = RankCluster(n=n, keep_warm=False)
     said = io.StringIO()
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(said), forking(fork):
             cluster.start()
         seconds = time.perf_counter() - t0
-        pids = {p.pid for p in procs.alive(cluster._record.processes)}
+        pids = {p.pid for p in owned.alive(cluster._record.processes)}
         pids |= {p.pid for p in warden.marked_processes(cluster.cluster_id)}
         return {"seconds": seconds, "pss_gib": pss_gib(sorted(pids)), "processes": len(pids),
                 "device": cluster.device}
@@ -118,10 +121,10 @@ def bare_job(n: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="shardlab-start-cost-") as folder:
         program = Path(folder, "rank.py")
         program.write_text(RANK_PROGRAM)
-        env = launch.job_environment(**(programs.mpi_environment() | programs.mpi_session_environment(folder)
+        env = launch.job_environment(**(commands.mpi_environment() | commands.mpi_session_environment(folder)
                                          | devices.rank_thread_environment(n) | hidden
                                          | {"START_COST_FOLDER": folder}))
-        cmd = programs.job_command("openmpi", n, str(program))
+        cmd = commands.job_command("openmpi", n, str(program))
         t0 = time.time()
         job = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
@@ -133,7 +136,7 @@ def bare_job(n: int) -> dict:
                                        f"were ready: {job.stderr.read()[-2000:] if job.poll() is not None else ''}")
                 time.sleep(0.05)
             seconds = float(Path(folder, "ready").read_text()) - t0
-            pids = [pid for pid, _ in procs.process_tree(job.pid)]
+            pids = [pid for pid, _ in owned.process_tree(job.pid)]
             pss = pss_gib(pids)
             Path(folder, "go").touch()
             _, err = job.communicate(timeout=WAIT_S)
@@ -144,6 +147,17 @@ def bare_job(n: int) -> dict:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
     return {"seconds": seconds, "pss_gib": pss, "processes": len(pids), "device": placement.device}
+
+
+def cache_bytecode() -> None:
+    """Compile shardlab's modules into their ``__pycache__`` folders, as Python does at a module's first import unless
+    PYTHONDONTWRITEBYTECODE is set: every way then reads shardlab's bytecode, as on a learner's machine, instead of
+    each process compiling the modules it imports (the fork server's share: 0.2-0.3 CPU-s on its critical path)."""
+    import compileall
+
+    import shardlab
+
+    compileall.compile_dir(Path(shardlab.__file__).parent, quiet=1)
 
 
 WAYS = {"cluster": cluster_start, "fork server": lambda n: cluster_start(n, fork=True), "bare mpiexec": bare_job}
@@ -183,7 +197,10 @@ def table(rows: list[dict], repeats: int) -> str:
         cells.append(" / ".join(f"{row[way]['processes']:.0f}" for way in WAYS))
         lines.append("| " + " | ".join(cells) + " |")
     machine = (f"{os.cpu_count()} CPU cores; median of {repeats} run(s) each, taken in turn. A cluster's PSS is all "
-               "that one learner's ranks hold (controller, launcher, engines, their nannies, the fork server).")
+               "that one learner's ranks hold (controller, launcher, engines, their nannies, the fork server). "
+               "shardlab's bytecode compiled first, as Python caches it"
+               + (" (PYTHONDONTWRITEBYTECODE is set here: without it, every process compiles shardlab's modules)."
+                  if os.environ.get("PYTHONDONTWRITEBYTECODE") else "."))
     return "\n".join(lines) + f"\n\n{machine}"
 
 
@@ -193,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     args = parser.parse_args(argv)
-    with procs.own_origin("start-cost"):  # whatever the runs leave, nothing outlives the script
+    cache_bytecode()
+    with owned.own_origin("start-cost"):  # whatever the runs leave, nothing outlives the script
         rows = measure(args.ranks, args.repeats)
     print(table(rows, args.repeats))
     if args.json:

@@ -1,45 +1,22 @@
-"""What a learner sees in red: every line 00, 12 and 13 write to stderr, the kernel's and each rank's, is on the
-allow-list (tests/support/stderr_allowed.py) with the reason the series shows it; any other line fails the
-test, naming the cell.
+"""What a learner sees in red, as JupyterLab shows it: a long %%px cell shows its progress bar, and what a rank writes
+to file descriptor 2 (as a C library writes, past sys.stderr) reaches the outputs; run from pytest, neither. The check
+that every stderr line of notebooks 00, 12 and 13 is on the allow-list runs with their notebook test
+(tests/notebooks/test_notebooks.py, ``STDERR_CHECKED``), run as in JupyterLab (``as_in_jupyterlab``), so that those
+notebooks run once in the suite, not twice.
 
-The notebooks run as JupyterLab runs them. Under pytest, ipykernel forwards only what Python writes to sys.stderr:
-what C libraries write to file descriptor 2 (Warp, torch's profiler) is forwarded only when the kernel does not see
-PYTEST_CURRENT_TEST (ipykernel 7.4, iostream.py, OutStream). So the kernel here starts without it, and so do its
-ranks, which are new (the session's warm ranks were started under pytest and would not forward either). The same
-variable decides whether a long %%px cell shows its progress bar (``shardlab.ranks.px.progress_wanted``): the second
-test checks both sides on a cell that sleeps past it.
+Under pytest, ipykernel forwards only what Python writes to sys.stderr: what C libraries write to file descriptor 2 is
+forwarded only when the kernel does not see PYTEST_CURRENT_TEST (ipykernel 7.4, iostream.py, OutStream). The same
+variable decides whether a long %%px cell shows its progress bar (``shardlab.ranks.px.progress_wanted``): the test
+checks both sides on a cell that sleeps past it."""
 
-Messages upstream prints that the series knows are harmless are silenced at their source (``shardlab/quiet.py``, each
-with its reason), not allowed here."""
-
-import os
 import re
-from pathlib import Path
 
 import nbformat
 import pytest
 
-from notebook_runner import run_notebook
-from shardlab.ranks import px, warm
+from notebook_runner import as_in_jupyterlab, run_notebook
+from shardlab.ranks import px
 from stderr_allowed import unexplained
-
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-CHECKED = ("00_setup", "12_data_at_scale", "13_physicsnemo_models")
-
-def as_in_jupyterlab() -> dict:
-    """This environment without what pytest and the session's warm pool add: the kernel then forwards C libraries'
-    stderr and starts ranks of its own, as under `make lab`."""
-    left_out = ("PYTEST_CURRENT_TEST", "SHARDLAB_TEST_WARM_POOL", warm.POOL)
-    return {k: v for k, v in os.environ.items() if k not in left_out}
-
-
-@pytest.mark.notebook
-@pytest.mark.parametrize("name", CHECKED)
-def test_every_stderr_line_is_one_the_series_explains(name, no_leftovers):
-    run = run_notebook(NOTEBOOKS / f"{name}.ipynb", rehearse=False, env=as_in_jupyterlab())
-    left = unexplained(run.notebook)
-    assert not left, f"{name} shows stderr lines nobody explains:\n" + "\n".join(left)
-
 
 RAW = "written to file descriptor 2 by a rank"  # as a C library writes, past sys.stderr
 SLEEPS = [

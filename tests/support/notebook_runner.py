@@ -32,7 +32,7 @@ from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-from shardlab.ranks import procs, px, warm
+from shardlab.ranks import folders, px, warm
 from shardlab.tools.handout import SOLUTION_TAG, blank_source, wrong_answers
 from shardlab.tools.morning import CURVE_KERNELS, poll_in_slices
 
@@ -68,6 +68,7 @@ class NotebookRun:
     rerun: range | None = None  # the cells run a second time in the same kernel, if any (``rerun_span``)
     rerun_seconds: float = 0.0  # how long that second pass took
     notebook: object = None  # the notebook as run, with every cell's outputs (a rehearsed answer's are not kept)
+    first_pass: object = None  # with ``rerun``: the notebook's cells as the first pass left them, before the second
 
     def slowest_cells(self, count: int = SLOWEST_SHOWN) -> list[str]:
         """The ``count`` slowest cells: index, seconds (and the kernel's share of them), first line."""
@@ -122,7 +123,7 @@ def _run(client: NotebookClient, cell, index: int, run: NotebookRun) -> tuple[st
     return None, ""
 
 
-STARTS_RANKS = ("start_cluster(", "MPICluster(")
+STARTS_RANKS = ("start_cluster(", "RankCluster(")
 
 
 def rerun_span(cells) -> range | None:
@@ -149,11 +150,19 @@ def left_in_temp_folder(folder: Path) -> list[str]:
     for entry in sorted(folder.iterdir()):
         if entry.name.startswith("torchinductor_"):
             continue
-        if entry.name == procs.registry_name() and entry.is_dir():
+        if entry.name == folders.registry_name() and entry.is_dir():
             left += [f"{entry.name}/{record.name}" for record in entry.iterdir()]
             continue
         left.append(entry.name)
     return left
+
+
+def as_in_jupyterlab() -> dict:
+    """This environment without what pytest and the session's warm pool add: a kernel run with it forwards C
+    libraries' stderr (ipykernel forwards file descriptor 2 only without PYTEST_CURRENT_TEST: ipykernel 7.4,
+    iostream.py, OutStream), shows a long %%px cell's progress bar, and starts ranks of its own, as under `make lab`."""
+    left_out = ("PYTEST_CURRENT_TEST", "SHARDLAB_TEST_WARM_POOL", warm.POOL)
+    return {k: v for k, v in os.environ.items() if k not in left_out}
 
 
 def run_notebook(path: Path, timeout_s: float = 300, rehearse: bool = True, env: dict | None = None,
@@ -214,7 +223,7 @@ _answer = []
 if isinstance(getattr(_sys, "last_value", None), KeyboardInterrupt):
     _answer.append("the kernel was waiting in:\\n      " + _tail("".join(_traceback.format_tb(_sys.last_traceback))))
 for _name, _cluster in list(globals().items()):
-    if not isinstance(_cluster, _sl.MPICluster) or _cluster.client is None:
+    if not isinstance(_cluster, _sl.RankCluster) or _cluster.client is None:
         continue
     _client = _cluster.client
     _client.wait(timeout=10)  # ranks interrupted by %%px answer with their KeyboardInterrupt
@@ -281,6 +290,7 @@ def _execute_cells(client: NotebookClient, nb, run: NotebookRun, rehearse: bool)
                 run.rehearsals.append(Rehearsal(index, why, ename, evalue))
         _timed(client, cell, index, run)
         if run.rerun is not None and index == run.rerun[-1]:
+            run.first_pass = copy.deepcopy(nb)  # the second pass replaces these cells' outputs
             t0 = time.perf_counter()
             try:
                 for again in run.rerun:

@@ -1,5 +1,6 @@
 """What a learner may see in red, and why: each allowed line with its reason, and the lines of a notebook no reason
-covers. tests/notebooks/test_stderr.py runs the notebooks; tests/unit/test_stderr_lines.py checks the rule."""
+covers. tests/notebooks/test_notebooks.py runs the notebooks (``STDERR_CHECKED``); tests/unit/test_stderr_lines.py
+checks the rule."""
 
 import re
 

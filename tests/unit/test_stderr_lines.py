@@ -1,4 +1,4 @@
-"""The stderr allow-list of tests/notebooks/test_stderr.py, without a kernel: a line not on the list is reported
+"""The stderr allow-list (tests/support/stderr_allowed.py), without a kernel: a line not on the list is reported
 with its cell."""
 
 import nbformat
