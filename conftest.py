@@ -32,20 +32,20 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab.ranks import procs, warm
+from shardlab.ranks import folders, owned, records, warm
 
 # Everything this session starts (kernels, clusters, launched jobs) inherits this origin; xdist workers
-# share their controller's. shardlab.ranks.procs reads it whenever it is asked.
+# share their controller's. shardlab.ranks.owned reads it whenever it is asked.
 # What kernels, Jupyter, matplotlib and Warp would otherwise write into the user's home (IPython history, connection
 # files, font and kernel caches) goes to a folder of the session in the temp folder, removed at its end.
 USER_STATE = {"IPYTHONDIR": "ipython", "JUPYTER_RUNTIME_DIR": "jupyter-runtime", "MPLCONFIGDIR": "matplotlib",
               "WARP_CACHE_PATH": "warp"}
 if not os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ[procs.ORIGIN] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.environ[owned.ORIGIN] = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.environ["SHARDLAB_TEST_USER_STATE"] = tempfile.mkdtemp(prefix="shardlab-test-user-state-")
     for variable, folder in USER_STATE.items():
         os.environ.setdefault(variable, os.path.join(os.environ["SHARDLAB_TEST_USER_STATE"], folder))
-SESSION_ORIGIN = os.environ[procs.ORIGIN]
+SESSION_ORIGIN = os.environ[owned.ORIGIN]
 
 sys.path.insert(0, str(Path(__file__).parent / "tests" / "support"))  # what the tests share
 import fresh_python as fresh_python_module  # noqa: E402
@@ -74,7 +74,7 @@ def _local_slurm(*command: str) -> tuple[int, str, str]:
 @contextlib.contextmanager
 def _setting_up():
     """Held while a worker looks for a Slurm and starts one: the other worker waits, then finds it up."""
-    with open(Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-local-slurm.lock", "a") as lock:
+    with open(Path(tempfile.gettempdir()) / f"shardlab-{folders.user_id()}-local-slurm.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -171,7 +171,7 @@ def _on_the_slurm(request, monkeypatch):
     if shared:
         monkeypatch.setenv("SHARDLAB_SHARED_DIR", shared)
     alone = request.node.get_closest_marker("whole_slurm") is not None
-    with open(Path(tempfile.gettempdir()) / f"shardlab-{procs.user_id()}-slurm-nodes.lock", "a") as lock:
+    with open(Path(tempfile.gettempdir()) / f"shardlab-{folders.user_id()}-slurm-nodes.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
 
@@ -179,7 +179,7 @@ def _on_the_slurm(request, monkeypatch):
 def wait_for_no_leftovers(timeout_s: float = 15.0, of_origin: str | None = None) -> list:
     """This session's (or one test's) processes still alive after timeout_s (engines take a moment to exit)."""
     deadline = time.monotonic() + timeout_s
-    while (left := procs.leftover_processes(of_origin)) and time.monotonic() < deadline:
+    while (left := owned.leftover_processes(of_origin)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 
@@ -210,12 +210,12 @@ def fresh_python():
         yield server
 
 
-def clusters_in_use(pool) -> list[procs.Record]:
+def clusters_in_use(pool) -> list[records.Record]:
     """The pool's clusters that are not parked: a notebook that never stopped its cluster (a parked one is fine)."""
     if pool is None or not pool.folder.exists():
         return []
     parked = {p.cluster_id for p in pool.parked()}
-    return [r for r in procs.records_in(pool.folder) if r.cluster_id not in parked]
+    return [r for r in records.records_in(pool.folder) if r.cluster_id not in parked]
 
 
 @pytest.fixture
@@ -225,8 +225,8 @@ def no_leftovers(request, monkeypatch, warm_pool):
 
     What the test starts gets an origin of its own, nested in the session's, so that tests running
     side by side (pytest -n 2) never count each other's processes."""
-    mine = f"{os.environ[procs.ORIGIN]}/{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv(procs.ORIGIN, mine)
+    mine = f"{os.environ[owned.ORIGIN]}/{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(owned.ORIGIN, mine)
     yield
     left = wait_for_no_leftovers(of_origin=mine)
     assert not left, f"processes left behind by {request.node.nodeid}: {_describe(left)}"
@@ -240,7 +240,7 @@ def no_leftovers(request, monkeypatch, warm_pool):
 def pool(tmp_path, monkeypatch):
     """A warm pool of this test's own (shardlab.ranks.warm), in its temporary folder; stopped at the end."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the pool's folder goes there
-    made = warm.Pool.create(procs.origin(), idle_s=60)
+    made = warm.Pool.create(owned.origin(), idle_s=60)
     yield made
     made.stop()
 
@@ -290,7 +290,7 @@ def pytest_sessionfinish(session, exitstatus):
     left = wait_for_no_leftovers()
     if left:
         names = _describe(left)
-        procs.stop(left)
+        owned.stop(left)
         print(f"\nFAILED: this run left processes behind (now stopped): {names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(os.environ["SHARDLAB_TEST_USER_STATE"], ignore_errors=True)  # nothing of the session writes now

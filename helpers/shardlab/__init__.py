@@ -11,25 +11,31 @@ Three groups, by who uses them:
 Layers, lowest first. A module imports only from layers below its own; ``tests/unit/test_layers.py`` checks every
 import, including those inside functions, against this list.
 
-- (below them all) ``nodelist``: Slurm's node lists as host names, which ``workarounds`` reads;
-  ``ranks.forkstub``: what the launcher starts for a rank when a fork server runs (standard library only)
+- (below them all) ``ranks.slurm``: Slurm's node lists as host names (which ``workarounds`` reads), and jobs found by
+  name and cancelled; ``ranks.forkstub``: what the launcher starts for a rank when a fork server runs (standard
+  library only)
 0. ``ranks.devices``: the one rule for which device a job of ranks runs on; cores and GPUs the ranks have;
+   ``ranks.folders`` (the owner-only folders shardlab trusts: the registry of clusters, profile folders);
    ``gpu_record``: the committed GPU record, read; ``workarounds`` (upstream bugs, each in one place); ``quiet``
    (upstream messages the series knows are harmless, silenced where they start: installed at import, below);
    ``progress`` (each check's result, for the instructor's class view, where one is set up); ``answers`` (the
    exercises' reference answers, found by name); ``ranks.forkchild`` (what a forked child does to become a rank's
    engine)
-1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.procs`` (which
-   processes shardlab started), ``ranks.programs`` (where
-   mpiexec and srun are, their flags, job command lines), ``ranks.px`` (``%%px`` cells: deadline, error summary)
+1. ``report``, ``flight`` (the collectives each rank entered: torch's Flight Recorder), ``ranks.owned`` (which
+   processes shardlab started, and stopping them), ``ranks.commands`` (the command lines that start ranks: mpiexec,
+   srun, torchrun, their flags), ``ranks.px`` (``%%px`` cells: deadline, error summary)
+1a. ``ranks.subprocesses`` (a command run as a process group with a deadline, or detached), ``ranks.records`` (each
+   cluster's record: its owner, processes, Slurm jobs, and clean-up), ``ranks.settings`` (a cluster's settings,
+   resolved once from the request and the environment)
 1b. ``ranks.forkserver`` (engines and job ranks forked from one parent that imported PyTorch and PhysicsNeMo once)
-2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engines`` (one
-   engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
+2. ``ranks.launch`` (what a launcher tells a rank, ``init_distributed``, ``run_job``), ``ranks.engine_launchers``
+   (one engine launcher per way of starting the engines behind ``%%px``); ``mesh`` (the named mesh, and how
    ``scatter_tensor`` splits rows, which ``data`` reads slabs by); ``ranks.beacon`` (each rank's state, written
    for the rank panel); ``ranks.warden`` (a cluster ends with the process that owns it)
 3. ``data`` (the Darcy samples and their scaling, the sampler, field stores written and read, and the batch sources
-   a ``Trainer`` loads from: ``shardlab/data/__init__.py``), ``models``, ``levers``; ``ranks.warm`` (ranks kept for
-   the next notebook, their reset, and ``init_rank``, what every engine runs first); ``ranks.panel`` (every rank's
+   a ``Trainer`` loads from: ``shardlab/data/__init__.py``), ``models``, ``levers``; ``ranks.warm`` (the pool on
+   the host: ranks parked for the next notebook, claimed, stopped); ``ranks.rankstate`` (on a rank: ``init_rank``,
+   what every engine runs first, and the reset and parking of a warm rank); ``ranks.panel`` (every rank's
    state, live, in the notebook)
 4. ``train``, ``points`` (point clouds for PhysicsNeMo's point models); ``ranks.bringup`` (a cluster's ranks brought
    up, fresh or taken over)
@@ -55,12 +61,13 @@ notebook kernel does not import PhysicsNeMo until it asks for something that nee
 import importlib
 
 LAYERS = (
-    ("nodelist", "ranks.forkstub"),
-    ("ranks.devices", "gpu_record", "workarounds", "quiet", "progress", "answers", "ranks.forkchild"),
-    ("report", "flight", "ranks.procs", "ranks.programs", "ranks.px"),
+    ("ranks.slurm", "ranks.forkstub"),
+    ("ranks.devices", "ranks.folders", "gpu_record", "workarounds", "quiet", "progress", "answers", "ranks.forkchild"),
+    ("report", "flight", "ranks.owned", "ranks.commands", "ranks.px"),
+    ("ranks.subprocesses", "ranks.records", "ranks.settings"),
     ("ranks.forkserver",),
-    ("ranks.launch", "ranks.engines", "mesh", "ranks.beacon", "ranks.warden"),
-    ("data", "models", "levers", "ranks.warm", "ranks.panel"),
+    ("ranks.launch", "ranks.engine_launchers", "mesh", "ranks.beacon", "ranks.warden"),
+    ("data", "models", "levers", "ranks.warm", "ranks.rankstate", "ranks.panel"),
     ("train", "points", "ranks.bringup"),
     ("measure", "plot", "checkpoints"),
     ("ranks.cluster", "check", "plan", "audit"),
@@ -72,12 +79,12 @@ LAYERS = (
 )
 _MODULES = {name.split(".")[0] for layer in LAYERS for name in layer}
 _SHORTCUTS = {
-    "ClusterError": "ranks.px", "MPICluster": "ranks.cluster", "start_cluster": "ranks.cluster",
+    "ClusterError": "ranks.px", "RankCluster": "ranks.cluster", "start_cluster": "ranks.cluster",
     "DistributedState": "ranks.launch", "LaunchError": "ranks.launch", "LaunchInfo": "ranks.launch",
     "detect_launch": "ranks.launch", "init_distributed": "ranks.launch",
     "MeshError": "mesh", "build_mesh": "mesh", "resolve_mesh_shape": "mesh",
     "Table": "report", "summarize_rank_errors": "ranks.px",
-    "leftover_processes": "ranks.procs", "place_ranks": "ranks.devices", "gpu_status": "gpu_record",
+    "leftover_processes": "ranks.owned", "place_ranks": "ranks.devices", "gpu_status": "gpu_record",
 }
 
 

@@ -5,7 +5,7 @@ it, and only it; ``tests/unit/test_quiet.py`` fails as soon as upstream no longe
 can be deleted. What the series cannot silence without hiding something real is said in the lesson instead
 (``tests/notebooks/test_stderr.py`` holds the list of what may still appear, and why).
 
-- ``CPU_RANK_ENVIRONMENT``: what CPU engines start with (``ranks.engines.engine_environment``).
+- ``CPU_RANK_ENVIRONMENT``: what CPU engines start with (``ranks.engine_launchers.engine_environment``).
 - ``install()``: run when ``shardlab`` is imported, in kernels and on ranks alike: Warp's line about a missing CUDA
   driver, and torch's warning that gloo has no all-to-all.
 

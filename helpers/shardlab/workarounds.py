@@ -15,8 +15,6 @@ from datetime import timedelta
 
 import psutil
 
-from .nodelist import expand_nodelist  # noqa: F401  (read here by tests/unit/test_slurm_nodes.py)
-
 
 @contextlib.contextmanager
 def cpu_safe_process_group_init(timeout: timedelta):
@@ -307,7 +305,7 @@ def slurm_rendezvous_address(env=None) -> str:
                      if env.get(name)), "")
     count = next((env[name] for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
                   if env.get(name)), "")
-    from .nodelist import slurm_hostnames
+    from .ranks.slurm import slurm_hostnames
 
     hosts = []
     with contextlib.suppress(ValueError):

@@ -20,7 +20,7 @@ import torch
 
 import notebook_runner
 from marked import marked_processes
-from shardlab.ranks import devices, launch, procs
+from shardlab.ranks import devices, launch, owned, subprocesses
 from shardlab.tools import bench, gpucheck, smoke
 
 H100, V100 = ("NVIDIA H100 80GB HBM3", "9.0"), ("Tesla V100-SXM2-32GB", "7.0")
@@ -250,7 +250,7 @@ def test_a_row_past_the_deadline_is_stopped_with_its_processes_and_later_rows_ar
 
     def sleeping_row(row, gpus):
         env = launch.clean_environment(SHARDLAB_TEST_MARKER=marker)
-        procs.run_process_group([SLEEP, "60"], env, 60, "a row that sleeps past the deadline")
+        subprocesses.run_process_group([SLEEP, "60"], env, 60, "a row that sleeps past the deadline")
         return "finished", True
 
     monkeypatch.setattr(gpucheck, "run_row", sleeping_row)
@@ -265,12 +265,12 @@ def test_a_row_past_the_deadline_is_stopped_with_its_processes_and_later_rows_ar
 
 
 def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
-    marker, origin = uuid.uuid4().hex, f"{procs.origin()}/sigterm-{uuid.uuid4().hex[:8]}"
+    marker, origin = uuid.uuid4().hex, f"{owned.origin()}/sigterm-{uuid.uuid4().hex[:8]}"
     script = tmp_path / "gpucheck_with_a_sleeping_row.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys
         from shardlab.tools import gpucheck
-        from shardlab.ranks import launch, procs
+        from shardlab.ranks import launch, subprocesses
         gpucheck.visible_gpus = lambda: 1
         gpucheck.unusable_gpus = lambda count: ""
 
@@ -278,12 +278,12 @@ def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
             env = launch.clean_environment(SHARDLAB_TEST_MARKER={marker!r})
             subprocess.Popen([{SLEEP!r}, "600"], env=env, start_new_session=True,  # stopped by nothing but its origin
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.run_process_group([{SLEEP!r}, "600"], env, 600, "a sleeping row")
+            subprocesses.run_process_group([{SLEEP!r}, "600"], env, 600, "a sleeping row")
 
         gpucheck.run_row = sleeping_row
         sys.exit(gpucheck.main([]))
     """))
-    env = os.environ | {procs.ORIGIN: origin}
+    env = os.environ | {owned.ORIGIN: origin}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -299,7 +299,7 @@ def test_sigterm_stops_gpucheck_and_every_process_it_started(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        procs.stop(procs.leftover_processes(origin))
+        owned.stop(owned.leftover_processes(origin))
 
 
 @pytest.mark.parametrize("count, ranks, device", [(0, 4, "cpu"), (1, 4, "cpu"), (2, 2, "cuda"), (3, 2, "cuda"),
@@ -328,7 +328,7 @@ def test_the_notebooks_rows_run_the_largest_even_count_of_ranks_the_gpus_hold(mo
         seen["ranks"], seen["notebooks"] = env["SHARDLAB_RANKS"], [c for c in cmd if c.endswith(".ipynb")]
         return SimpleNamespace(returncode=0, stdout="1 passed", stderr="")
 
-    monkeypatch.setattr(gpucheck.procs, "run_process_group", fake_run)
+    monkeypatch.setattr(gpucheck.subprocesses, "run_process_group", fake_run)
     assert gpucheck.run_row(row, count)[1] and seen["ranks"] == str(ranks)
     assert [Path(n).name for n in seen["notebooks"]] == ["07_capstone.ipynb"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardlab.ranks import cluster as cl
-from shardlab.ranks import devices, launch, procs, warm
+from shardlab.ranks import devices, launch, owned, rankstate, records, warm
 from shardlab.ranks.bringup import release_for_parking
 from world_sizes import run_job_unstarted
 
@@ -51,18 +51,18 @@ def test_a_job_keeps_the_compile_workers_and_threads_you_chose(monkeypatch, core
 
 @pytest.fixture
 def rank(monkeypatch, cores):
-    """``warm.init_rank`` as an engine runs it, without initialising a process group: what it applied."""
+    """``rankstate.init_rank`` as an engine runs it, without initialising a process group: what it applied."""
     import torch._inductor.config as inductor_config
 
     applied = {}
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: applied.update(threads=threads))
     monkeypatch.setattr(launch, "init_distributed", lambda timeout_s: SimpleNamespace(as_row=lambda: {}))
-    monkeypatch.setattr(warm, "_SERIES_STATE", {"noted": "before"})  # this test is about threads, not the reset
+    monkeypatch.setattr(rankstate, "_SERIES_STATE", {"noted": "before"})  # this test is about threads, not the reset
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "unset")  # init_rank writes them; put back after
 
     def init_rank(threads: int) -> dict:
-        warm.init_rank({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 10, threads)
+        rankstate.init_rank({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 10, threads)
         return applied | {"config": inductor_config.compile_threads, "env": os.environ.get(COMPILE)}
 
     # Read at import, before the rank chose: the default of a 32-core machine. patch() puts back the value after.
@@ -129,14 +129,14 @@ class _Ranks:
         self.events.append("client closed")
 
 
-def _pooled_cluster(monkeypatch, events: list, fail: Exception | None = None) -> cl.MPICluster:
-    """An MPICluster of 2 CPU ranks, started in a pool (nothing started for real)."""
-    cluster = cl.MPICluster(n=2, device="cpu")
+def _pooled_cluster(monkeypatch, events: list, fail: Exception | None = None) -> cl.RankCluster:
+    """An RankCluster of 2 CPU ranks, started in a pool (nothing started for real)."""
+    cluster = cl.RankCluster(n=2, device="cpu")
     cluster.pool, cluster.client, cluster.view = SimpleNamespace(), _Ranks(events, fail), object()
     cluster._cluster, cluster._record = SimpleNamespace(shutdown_atexit=True), SimpleNamespace(processes=[])
     cluster.states = [{"rank": 0, "pid": os.getpid()}, {"rank": 1, "pid": os.getpid()}]
     monkeypatch.setattr(warm, "park", lambda pool, record, shape: events.append("parked"))
-    monkeypatch.setattr(cl.MPICluster, "_shut_down", lambda self: events.append("stopped"))
+    monkeypatch.setattr(cl.RankCluster, "_shut_down", lambda self: events.append("stopped"))
     return cluster
 
 
@@ -171,7 +171,7 @@ def test_a_parked_rank_gives_back_its_groups_and_gpu_memory_but_keeps_its_cuda_c
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a rank's world group
     monkeypatch.setattr(DistributedManager, "_shared_state", {"_is_initialized": True, "_distributed": True})
     try:
-        assert warm.park_rank() == {"cuda_reserved": 2**20}
+        assert rankstate.park_rank() == {"cuda_reserved": 2**20}
         assert not dist.is_initialized() and DistributedManager._shared_state == {}
     finally:
         if dist.is_initialized():
@@ -190,8 +190,8 @@ def pool(pool, monkeypatch):
 
 def _park_marker(pool, cluster_id: str, shape: dict) -> None:
     """A parked cluster as ``warm.park`` leaves it, parked by another kernel, with a live keeper (this process)."""
-    me, parent = list(procs.identity()), list(procs.identity(os.getppid()))
-    procs.Record(cluster_id, *me, profile_dir="", folder=str(pool.folder)).save()
+    me, parent = list(owned.identity()), list(owned.identity(os.getppid()))
+    records.Record(cluster_id, *me, profile_dir="", folder=str(pool.folder)).save()
     warm.Parked(str(pool.folder / f"{cluster_id}{warm.PARKED}"), cluster_id, shape, parent, time.time() + 60,
                 me).save()
 
@@ -209,7 +209,7 @@ class _Started(Exception):
     """Raised where a start would create its controller and engines: everything before it has run."""
 
 
-def _start_until_engines(monkeypatch, cluster: cl.MPICluster) -> None:
+def _start_until_engines(monkeypatch, cluster: cl.RankCluster) -> None:
     def prepare(*args, **kwargs):
         raise _Started
 
@@ -223,16 +223,16 @@ def test_a_start_on_cuda_first_stops_a_parked_cuda_cluster_of_another_shape(monk
                                                                             keep_warm):
     on_cuda = warm.shape_of(2, "cuda", "mpi", "openmpi", "127.0.0.1", None)
     _park_marker(pool, "shardlab-gpu", on_cuda)  # notebook A parked 2 CUDA ranks
-    cluster = cl.MPICluster(n=4, device="cuda", keep_warm=keep_warm)  # notebook B wants all 4 GPUs
+    cluster = cl.RankCluster(n=4, device="cuda", keep_warm=keep_warm)  # notebook B wants all 4 GPUs
     assert cluster.shape != on_cuda
     _start_until_engines(monkeypatch, cluster)
-    assert pool.parked() == [] and not procs.records_in(pool.folder)
+    assert pool.parked() == [] and not records.records_in(pool.folder)
     assert "Stopped the parked cluster shardlab-gpu: its ranks held GPUs" in capsys.readouterr().out
 
 
 def test_a_start_on_cpu_leaves_a_parked_cuda_cluster_parked(monkeypatch, pool, four_gpus):
     _park_marker(pool, "shardlab-gpu", warm.shape_of(2, "cuda", "mpi", "openmpi", "127.0.0.1", None))
-    _start_until_engines(monkeypatch, cl.MPICluster(n=2, device="cpu", keep_warm=True))
+    _start_until_engines(monkeypatch, cl.RankCluster(n=2, device="cpu", keep_warm=True))
     assert [p.cluster_id for p in pool.parked()] == ["shardlab-gpu"]
 
 

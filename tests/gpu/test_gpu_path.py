@@ -11,7 +11,7 @@ import torch
 
 from shardlab.measure import tables as measure_tables
 from shardlab.ranks import cluster as cl
-from shardlab.ranks import devices, engines, launch, programs
+from shardlab.ranks import commands, devices, engine_launchers, launch
 from shardlab.ranks.devices import DeviceError, place_ranks
 from shardlab.tools import bench, gpucheck, smoke
 from world_sizes import run_job_unstarted
@@ -93,15 +93,15 @@ def test_cluster_run_job_smoke_bench_measure_and_gpucheck_choose_alike(monkeypat
             expected = place_ranks(n, count)
         except DeviceError:
             with pytest.raises(DeviceError):
-                cl.MPICluster(n=n)
+                cl.RankCluster(n=n)
             with pytest.raises(DeviceError):
                 run_job_unstarted(monkeypatch, n)
             continue
-        assert cl.MPICluster(n=n).device == expected.device
+        assert cl.RankCluster(n=n).device == expected.device
         placement, env = run_job_unstarted(monkeypatch, n)
         assert placement == expected and (env.get("CUDA_VISIBLE_DEVICES") == "") == (expected.device == "cpu")
         assert _bench_device(monkeypatch, n) == expected.device  # without building a cluster first
-    default = cl.MPICluster()
+    default = cl.RankCluster()
     facts = smoke.machine_facts()
     assert facts["cluster_runs_on"].startswith(default.placement.label)
     assert facts["one_rank_runs_on"] == place_ranks(1, count).device
@@ -120,15 +120,15 @@ def test_cluster_run_job_smoke_bench_measure_and_gpucheck_choose_alike(monkeypat
 def test_the_default_cluster_is_an_even_number_of_ranks_the_gpus_can_hold(gpus, count, ranks, device):
     """Every lesson's mesh has domain groups of 2: an odd default (3 GPUs, 3 ranks) would be refused by them."""
     gpus(count)
-    cluster = cl.MPICluster()
+    cluster = cl.RankCluster()
     assert (cluster.n, cluster.device) == (ranks, device)
 
 
 def test_more_ranks_than_gpus_is_refused_not_silently_cpu(gpus):  # bug 4
     gpus(4)
     with pytest.raises(DeviceError, match=r"8 ranks but 4 GPU\(s\).*SHARDLAB_RANKS=4"):
-        cl.MPICluster(n=8)
-    assert cl.MPICluster(n=8, device="cpu").device == "cpu"
+        cl.RankCluster(n=8)
+    assert cl.RankCluster(n=8, device="cpu").device == "cpu"
 
 
 def test_measure_with_sizes_1_starts_one_rank_which_one_gpu_can_run(monkeypatch):  # bug 1
@@ -206,18 +206,18 @@ def test_slurm_gpus_come_from_the_job_or_the_allocation(n, args, env, expected):
 
 def test_slurm_engines_get_gpus_a_kernel_on_a_login_node_does_not_see(gpus):  # bug 9
     gpus(0)  # the kernel's node has none
-    cluster = cl.MPICluster(n=4, engines="slurm", controller_ip="*", slurm_args=["--gpus-per-task=1"])
+    cluster = cl.RankCluster(n=4, engines="slurm", controller_ip="*", slurm_args=["--gpus-per-task=1"])
     assert cluster.device == "cuda"
     assert "CUDA_VISIBLE_DEVICES" not in cluster.engine_launcher.environment
-    assert cl.MPICluster(n=4, engines="slurm", controller_ip="*").device == "cpu"  # a job that asks for none
+    assert cl.RankCluster(n=4, engines="slurm", controller_ip="*").device == "cpu"  # a job that asks for none
 
 
 def test_cuda_visible_devices_slices_are_kept_for_cuda_engines(monkeypatch, gpus):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     gpus(2)  # what torch counts under that slice
-    cluster = cl.MPICluster()
+    cluster = cl.RankCluster()
     assert (cluster.n, cluster.device) == (2, "cuda")
-    assert "CUDA_VISIBLE_DEVICES" not in engines.engine_environment(cluster.device)  # inherited: GPUs 4 and 5
+    assert "CUDA_VISIBLE_DEVICES" not in engine_launchers.engine_environment(cluster.device)  # inherited: GPUs 4 and 5
 
 
 # -- gpucheck ----------------------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_cores_come_from_the_affinity_mask_not_the_machine(monkeypatch):  # bug 
     monkeypatch.setattr(devices.os, "cpu_count", lambda: 64)
     monkeypatch.delenv("SHARDLAB_MAX_RANKS_PER_CORE", raising=False)
     assert devices.usable_cores() == 1
-    assert "--oversubscribe" in programs.mpi_arguments(2)
+    assert "--oversubscribe" in commands.mpi_arguments(2)
     with pytest.raises(ValueError, match=r"5 CPU ranks on 1 CPU core\(s\)"):
-        cl.MPICluster(n=5, device="cpu")
+        cl.RankCluster(n=5, device="cpu")
     assert smoke.machine_facts()["cpu_cores"] == 1

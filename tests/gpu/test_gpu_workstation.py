@@ -2,7 +2,7 @@
 ``NEEDS``) runs them on CPU ranks on purpose, or on GPUs that can hold them, or skips saying what it needs; never into
 the device rule's refusal (more ranks than GPUs on a node with two or more), never asserting gloo on NCCL ranks. The GPU
 count is simulated (0, 1, 2, 3, 4 and 8 GPUs, on a 16-core workstation), and each test's own way of starting its ranks
-is run up to the point where the launch path places them: ``run_job``, ``MPICluster``, or a command-line tool or
+is run up to the point where the launch path places them: ``run_job``, ``RankCluster``, or a command-line tool or
 notebook kernel that places its ranks itself and sees no GPU when the test hides them."""
 
 import ast
@@ -15,7 +15,7 @@ import torch
 
 import world_sizes as ranks
 from shardlab.ranks import cluster as cl
-from shardlab.ranks import devices, engines, launch, programs
+from shardlab.ranks import commands, devices, engine_launchers, launch
 from shardlab.ranks.devices import DeviceError
 
 GPU_COUNTS = (0, 1, 2, 3, 4, 8)
@@ -36,7 +36,7 @@ def workstation(monkeypatch):
     for var in ("SHARDLAB_RANKS", "SHARDLAB_ENGINES", "SHARDLAB_MPI", "SLURM_JOB_ID", "SLURM_GPUS",
                 "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK"):
         monkeypatch.delenv(var, raising=False)
-    for module in (devices, launch, engines, programs):
+    for module in (devices, launch, engine_launchers, commands):
         monkeypatch.setattr(module, "usable_cores", lambda: CORES, raising=False)
 
     def set_count(count: int) -> None:
@@ -60,16 +60,16 @@ def _start(need: ranks.Need, n: int, count: int, device: str, env: dict, worksta
         placement, job_env = ranks.run_job_unstarted(monkeypatch, n)
         return placement.device, job_env.get("CUDA_VISIBLE_DEVICES") == ""
     monkeypatch.setenv("SHARDLAB_RANKS", str(n))
-    if need is ranks.DEFAULT_SIZE:  # MPICluster(device=...) in the test's own process
+    if need is ranks.DEFAULT_SIZE:  # RankCluster(device=...) in the test's own process
         workstation(count)
-        cluster = cl.MPICluster(device=device)
+        cluster = cl.RankCluster(device=device)
     elif need is ranks.NOTEBOOK_SIZES:  # the kernel, started with env, runs sl.start_cluster() (no device setting)
         workstation(child_sees)
-        cluster = cl.MPICluster()
+        cluster = cl.RankCluster()
     else:
         raise AssertionError(f"{_name(need)}: say here how {need.file}::{need.test} starts its ranks")
     assert cluster.n == n
-    return cluster.device, engines.engine_environment(cluster.device).get("CUDA_VISIBLE_DEVICES") == ""
+    return cluster.device, engine_launchers.engine_environment(cluster.device).get("CUDA_VISIBLE_DEVICES") == ""
 
 
 @pytest.mark.parametrize("count", GPU_COUNTS)

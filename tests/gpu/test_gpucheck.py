@@ -10,7 +10,7 @@ import torch
 
 import shardlab as sl
 from shardlab.gpu_record import RECORD, gpu_status
-from shardlab.ranks import procs
+from shardlab.ranks import subprocesses
 from shardlab.tools import gpucheck
 
 
@@ -29,8 +29,8 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path, capsys):
 def test_on_a_gpu_every_check_passes_or_says_it_needs_more_gpus(tmp_path, no_leftovers):
     out = tmp_path / "gpu-check.json"
     # Rows that do not fit in 780 s are not run; past 900 s gpu-check gets SIGTERM (not SIGKILL), so it stops its ranks.
-    proc = procs.run_process_group([sys.executable, "-m", "shardlab.tools.gpucheck", "--json", str(out), "--deadline-s",
-                                    "780"], dict(os.environ), 900, "make gpu-check", grace_s=60)
+    proc = subprocesses.run_process_group([sys.executable, "-m", "shardlab.tools.gpucheck", "--json", str(out),
+                                           "--deadline-s", "780"], dict(os.environ), 900, "make gpu-check", grace_s=60)
     rows = json.loads(out.read_text())["rows"]
     assert rows and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert {r["status"] for r in rows} <= {"passed", "needs 2+ GPUs", "no time left"}

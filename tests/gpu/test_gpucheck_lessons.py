@@ -16,7 +16,7 @@ import torch
 from marked import marked_processes
 from shardlab import flight, parity
 from shardlab.measure import timeline
-from shardlab.ranks import launch, procs
+from shardlab.ranks import launch, subprocesses
 from shardlab.tools import gpu_lessons, gpucheck, time_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_a_row_past_its_own_bound_is_stopped_with_what_it_started_and_the_next_r
     def row(planned, gpus):
         if planned["name"] == "timeline":  # a rank program that hangs past its budget
             env = launch.clean_environment(SHARDLAB_TEST_MARKER=marker)
-            procs.run_process_group([shutil.which("sleep"), "60"], env, 60, "a row that outlives its budget")
+            subprocesses.run_process_group([shutil.which("sleep"), "60"], env, 60, "a row that outlives its budget")
         return "done", True
 
     monkeypatch.setattr(gpucheck, "run_row", row)

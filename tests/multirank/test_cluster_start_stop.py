@@ -10,12 +10,12 @@ import psutil
 import pytest
 
 import shardlab as sl
-from shardlab.ranks.programs import CONTROLLER_PORTS, ephemeral_range
+from shardlab.ranks.commands import CONTROLLER_PORTS, ephemeral_range
 
 
 @pytest.mark.multirank
 def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsys):
-    with sl.MPICluster(n=2, device="cpu") as cluster:
+    with sl.RankCluster(n=2, device="cpu") as cluster:
         # Outside a notebook and a terminal (a log, a pipe), only what the start did: no line per registered rank.
         assert re.fullmatch(r"started 2 CPU ranks in \d+\.\d s\n", capsys.readouterr().out)
         assert [s["rank"] for s in cluster.states] == [0, 1]
@@ -51,7 +51,7 @@ def test_cluster_starts_blocking_and_stops_without_leftovers(no_leftovers, capsy
             assert all(CONTROLLER_PORTS[0] <= address.port < CONTROLLER_PORTS[1] for address in listening), listening
         assert cluster.alive_processes()
     assert not cluster.alive_processes()
-    assert not profile.exists() and not (sl.ranks.procs.registry() / f"{cluster.cluster_id}.json").exists()
+    assert not profile.exists() and not (sl.ranks.folders.registry() / f"{cluster.cluster_id}.json").exists()
 
 
 @pytest.mark.multirank

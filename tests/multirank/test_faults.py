@@ -39,8 +39,8 @@ def test_engines_that_never_start_are_reported_with_what_mpiexec_said(monkeypatc
     broken = tmp_path / "mpiexec"
     broken.write_text("#!/bin/sh\necho 'mpiexec: no slots left on this node' >&2\nexit 3\n")
     broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(sl.ranks.engines, "find_mpiexec", lambda flavour="openmpi": str(broken))
-    cluster = sl.MPICluster(n=2, device="cpu", start_timeout_s=60)
+    monkeypatch.setattr(sl.ranks.engine_launchers, "find_mpiexec", lambda flavour="openmpi": str(broken))
+    cluster = sl.RankCluster(n=2, device="cpu", start_timeout_s=60)
     with pytest.raises(sl.ClusterError, match=r"only 0 of 2 engines registered(.|\n)*no slots left on this node"):
         cluster.start()
     assert not cluster.alive_processes()
@@ -49,7 +49,7 @@ def test_engines_that_never_start_are_reported_with_what_mpiexec_said(monkeypatc
 @pytest.fixture
 def cluster():
     """A fresh 2-rank cluster per test; request it after no_leftovers so it is stopped before that check."""
-    with sl.MPICluster(n=2, device="cpu", timeout_s=10) as c:
+    with sl.RankCluster(n=2, device="cpu", timeout_s=10) as c:
         yield c
 
 
@@ -82,7 +82,7 @@ def test_dead_engine_is_a_clear_error_and_restart_recovers(no_leftovers, cluster
 KERNEL = """
 import sys, time
 import shardlab as sl
-cluster = sl.MPICluster(n=2, device="cpu").start()
+cluster = sl.RankCluster(n=2, device="cpu").start()
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -173,7 +173,7 @@ def test_killed_kernel_is_cleaned_up_by_the_next_start(no_leftovers):
         kernel.kill()  # no atexit, no stop(): what a crashed notebook kernel leaves behind
         kernel.wait(10)
         assert sl.leftover_processes(), "expected orphaned engines/controller after the kernel died"
-        assert sl.ranks.procs.clean_stale_clusters() >= 1  # what the next start_cluster does first
+        assert sl.ranks.records.clean_stale_clusters() >= 1  # what the next start_cluster does first
         deadline = time.monotonic() + 20
         while sl.leftover_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -181,7 +181,7 @@ def test_killed_kernel_is_cleaned_up_by_the_next_start(no_leftovers):
     finally:
         if kernel.poll() is None:
             kernel.kill()
-        sl.ranks.procs.clean_stale_clusters()  # a failed assertion above must not leave the dead kernel's ranks running
+        sl.ranks.records.clean_stale_clusters()  # a failed assertion above must not leave the dead kernel's ranks on
 
 
 def test_two_notebooks_at_once_do_not_collide(tmp_path, no_leftovers):

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab.ranks import forkserver, procs, programs
-from shardlab.ranks.cluster import MPICluster
+from shardlab.ranks import commands, forkserver, owned
+from shardlab.ranks.cluster import RankCluster
 
 pytestmark = pytest.mark.multirank
 WAIT_S = 120.0
@@ -48,13 +48,13 @@ def server(no_leftovers):
     """A fork server in an owner-only folder of its own, its rank program written there: (folder, server process)."""
     folder = Path(tempfile.mkdtemp(prefix="sl-fork-"))  # short: a Unix socket's path stops at 107 bytes
     (folder / "rank.py").write_text(textwrap.dedent(RANK))
-    pid, created = forkserver.start(folder, os.environ | procs.marked_environment() | {"CUDA_VISIBLE_DEVICES": ""})
-    proc = procs.same_process(pid, created)
+    pid, created = forkserver.start(folder, os.environ | owned.marked_environment() | {"CUDA_VISIBLE_DEVICES": ""})
+    proc = owned.same_process(pid, created)
     assert proc is not None and forkserver.socket_path(folder).exists()
     try:
         yield folder, proc
     finally:
-        procs.stop(procs.alive([(pid, created)]), 3.0)
+        owned.stop(owned.alive([(pid, created)]), 3.0)
         for path in folder.iterdir():
             path.unlink()
         folder.rmdir()
@@ -89,13 +89,13 @@ def test_the_parent_holds_no_thread_no_cuda_and_no_zmq_context_after_its_imports
 
 def test_a_forked_rank_has_exactly_its_launchers_environment_and_output(server):
     folder, proc = server
-    job = subprocess.Popen([*programs.job_command("openmpi", 2, str(folder / "rank.py"), str(folder))], text=True,
+    job = subprocess.Popen([*commands.job_command("openmpi", 2, str(folder / "rank.py"), str(folder))], text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                           env=os.environ | programs.mpi_environment() | {"CUDA_VISIBLE_DEVICES": ""})
-    stubbed = subprocess.Popen(programs.job_command("openmpi", 2, *forkserver.stub_command(folder)[1:],
+                           env=os.environ | commands.mpi_environment() | {"CUDA_VISIBLE_DEVICES": ""})
+    stubbed = subprocess.Popen(commands.job_command("openmpi", 2, *forkserver.stub_command(folder)[1:],
                                                     str(folder / "rank.py"), str(folder)),
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                               env=os.environ | programs.mpi_environment() | {"CUDA_VISIBLE_DEVICES": ""})
+                               env=os.environ | commands.mpi_environment() | {"CUDA_VISIBLE_DEVICES": ""})
     try:
         assert _wait(lambda: len(list(folder.glob("env-*.json"))) == 4), list(folder.iterdir())
         forked = {p.pid for p in _engines(proc)}
@@ -159,7 +159,7 @@ def test_a_clusters_engines_are_forked_and_nothing_is_left_after_stop_or_a_kille
     monkeypatch.delenv(forkserver.FORK_ENGINES, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     for kill_server in (False, True):
-        cluster = MPICluster(n=2, keep_warm=False).start()
+        cluster = RankCluster(n=2, keep_warm=False).start()
         try:
             rows = cluster.run("import os, psutil; from shardlab.ranks import forkchild; "
                                "_row = (os.getppid(), forkchild.started_environment()['OMPI_COMM_WORLD_RANK'], "

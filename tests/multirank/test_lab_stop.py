@@ -14,14 +14,14 @@ import pytest
 FAKE_JUPYTER = """#!{python}
 import os, sys, time
 from pathlib import Path
-from shardlab.ranks import procs, warm
+from shardlab.ranks import records, warm
 pool = Path(os.environ[warm.POOL])
-procs.Record("shardlab-parked", 0, 0.0, profile_dir="", folder=str(pool)).save()
+records.Record("shardlab-parked", 0, 0.0, profile_dir="", folder=str(pool)).save()
 shape = warm.shape_of(4, "cpu", "mpi", "openmpi", "127.0.0.1", None)
 warm.Parked(str(pool / ("shardlab-parked" + warm.PARKED)), "shardlab-parked", shape, [0, 0.0], time.time() + 60,
             []).save()
 if "in-use" in sys.argv:
-    procs.Record("shardlab-in-use", 0, 0.0, profile_dir="", folder=str(pool)).save()
+    records.Record("shardlab-in-use", 0, 0.0, profile_dir="", folder=str(pool)).save()
 try:
     print("ready", flush=True)
     time.sleep(60)

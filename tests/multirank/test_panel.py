@@ -47,7 +47,7 @@ def states(panel) -> dict[int, str]:
 
 
 def test_the_panel_names_the_rank_the_others_wait_for_and_stops_with_the_cluster(no_leftovers):
-    with sl.MPICluster(n=3, device="cpu", timeout_s=12) as cluster:
+    with sl.RankCluster(n=3, device="cpu", timeout_s=12) as cluster:
         panel = cluster.panel()
         assert cluster.panel() is panel and not panel.running  # nothing runs until it is shown
         panel.watch()

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from gone import ENDS_WITHIN_S, wait_gone
-from shardlab.ranks import procs, warden, warm
+from shardlab.ranks import owned, records, warden, warm
 
 # -- real clusters, their owner killed ------------------------------------------------------------------------------
 
 OWNER = """
 import json, sys
-from shardlab.ranks.cluster import MPICluster
-cluster = MPICluster(n=int(sys.argv[1]), keep_warm=sys.argv[2] == "park").start()
+from shardlab.ranks.cluster import RankCluster
+cluster = RankCluster(n=int(sys.argv[1]), keep_warm=sys.argv[2] == "park").start()
 record = {"cluster_id": cluster.cluster_id, "record": str(cluster._record.path),
           "profile": cluster.profile_dir, "processes": cluster._record.processes}
 if sys.argv[2] == "park":
@@ -57,7 +57,7 @@ def _start_owner(n: int, how: str, env: dict) -> tuple[subprocess.Popen, dict]:
 
 def _everything_of(started: dict) -> list[tuple[int, float]]:
     """What must end: the processes the cluster recorded, and every process marked with its id (its warden too)."""
-    marked = [procs.identity(p.pid) for p in warden.marked_processes(started["cluster_id"])]
+    marked = [owned.identity(p.pid) for p in warden.marked_processes(started["cluster_id"])]
     return sorted({tuple(p) for p in started["processes"]} | set(marked))
 
 
@@ -69,7 +69,7 @@ def test_a_killed_kernels_ranks_end_within_10_s(no_leftovers, ranks, sig):
     owner, cluster = _start_owner(ranks, "own", env)
     try:
         everything = _everything_of(cluster)
-        commands = [p.cmdline() for p in procs.alive(everything)]
+        commands = [p.cmdline() for p in owned.alive(everything)]
         assert sum(c[1:3] == ["-m", "ipyparallel.engine"] for c in commands) == ranks, commands  # nannies aside
         for what in ("ipyparallel.controller", "shardlab.ranks.warden"):
             assert any(what in c for c in commands), (what, commands)
@@ -91,15 +91,15 @@ def test_a_killed_kernels_ranks_end_within_10_s(no_leftovers, ranks, sig):
 @pytest.mark.multirank
 def test_a_parked_clusters_ranks_end_with_its_keeper(no_leftovers, tmp_path):
     """A parked cluster's owner is its keeper: killed, the cluster ends as a kernel's does."""
-    pool = warm.Pool.create(procs.origin(), idle_s=600)
+    pool = warm.Pool.create(owned.origin(), idle_s=600)
     try:
         owner, cluster = _start_owner(2, "park", os.environ | {warm.POOL: str(pool.folder)})
         owner.wait(timeout=120)
         [parked] = pool.parked()
-        keeper = procs.same_process(*parked.keeper)
-        assert keeper is not None and procs.load_record(Path(cluster["record"])).owner_pid == keeper.pid
+        keeper = owned.same_process(*parked.keeper)
+        assert keeper is not None and records.load_record(Path(cluster["record"])).owner_pid == keeper.pid
         everything = _everything_of(cluster)
-        assert len(procs.alive(everything)) > 2 + 2  # engines, controller, launcher, warden (the keeper is not of it)
+        assert len(owned.alive(everything)) > 2 + 2  # engines, controller, launcher, warden (the keeper is not of it)
         keeper.kill()  # the keeper is no child of this test: it ends, and its parent has exited, so nothing waits
         killed = time.monotonic()
         left = wait_gone(everything, killed)

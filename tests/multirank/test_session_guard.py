@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.ranks import procs
+from shardlab.ranks import owned
 
 # -- the test session's guard, through a whole pytest run ------------------------------------------------------
 
@@ -30,10 +30,10 @@ def test_the_session_guard_stops_only_what_its_run_started(tmp_path):
     fake.parent.mkdir()
     fake.write_text(f"#!{sys.executable}\nimport time; time.sleep(300)\n")
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in (procs.ORIGIN, "PYTEST_XDIST_WORKER")}
+    env = {k: v for k, v in os.environ.items() if k not in (owned.ORIGIN, "PYTEST_XDIST_WORKER")}
     unrelated = subprocess.Popen([str(fake), "-n", "4", "ipengine", "--mpi"], env=env)
     learner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "ipengine"],
-                               env=env | {procs.ORIGIN: "learner-kernel-1234"})
+                               env=env | {owned.ORIGIN: "learner-kernel-1234"})
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(root / "conftest.py", run / "conftest.py")

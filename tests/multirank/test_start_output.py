@@ -11,7 +11,7 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from shardlab.ranks import procs, warm
+from shardlab.ranks import owned, warm
 
 pytestmark = pytest.mark.multirank
 SIGNING = "Message signing is disabled"
@@ -47,7 +47,7 @@ def _defunct_children(pid: int, wait_s: float = 15.0) -> list[psutil.Process]:
 
 
 def test_every_start_says_what_it_did_without_signing_warnings_or_defunct_children(no_leftovers, tmp_path):
-    pool = warm.Pool.create(os.environ[procs.ORIGIN], idle_s=120)  # the processes count as this test's
+    pool = warm.Pool.create(os.environ[owned.ORIGIN], idle_s=120)  # the processes count as this test's
     env = os.environ | {warm.POOL: str(pool.folder), "CUDA_VISIBLE_DEVICES": ""}
     kernels = {}
     try:

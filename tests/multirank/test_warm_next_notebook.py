@@ -12,7 +12,7 @@ import time
 import pytest
 
 import shardlab as sl
-from shardlab.ranks import procs, warm
+from shardlab.ranks import owned, records, warm
 
 # -- on real ranks -----------------------------------------------------------------------------------------------
 
@@ -80,7 +80,7 @@ rss = psutil.Process().memory_info().rss
 
 @pytest.mark.multirank
 def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(no_leftovers, tmp_path, capsys):
-    pool = warm.Pool.create(os.environ[procs.ORIGIN], idle_s=30)  # the processes count as this test's
+    pool = warm.Pool.create(os.environ[owned.ORIGIN], idle_s=30)  # the processes count as this test's
     previous_temp = tmp_path / "previous-notebook"  # the previous kernel's temp folder, removed after it
     previous_temp.mkdir()
     env = os.environ | {warm.POOL: str(pool.folder), "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(previous_temp)}
@@ -90,7 +90,7 @@ def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(
         assert out.returncode == 0, out.stderr[-3000:]
         before = json.loads(out.stdout.strip().splitlines()[-1])
         assert [p.shape["n"] for p in pool.parked()] == [2]
-        other = warm.Pool.create(os.environ[procs.ORIGIN], idle_s=30)
+        other = warm.Pool.create(os.environ[owned.ORIGIN], idle_s=30)
         try:
             assert warm.claim(other, pool.parked()[0].shape) is None  # another session's pool does not see it
         finally:
@@ -130,12 +130,12 @@ def test_the_next_notebook_gets_the_same_ranks_with_nothing_of_the_previous_one(
         # Parked again, the cluster stops by itself once its idle time (30 s here) is up.
         processes = cluster._record.processes
         cluster.stop()
-        assert cluster.parked and pool.parked() and procs.alive(processes)
+        assert cluster.parked and pool.parked() and owned.alive(processes)
         deadline = time.monotonic() + 120
-        while (procs.alive(processes) or procs.records_in(pool.folder)) and time.monotonic() < deadline:
+        while (owned.alive(processes) or records.records_in(pool.folder)) and time.monotonic() < deadline:
             time.sleep(1)
-        assert not procs.alive(processes), "the parked cluster outlived its idle time"
-        assert not pool.parked() and not procs.records_in(pool.folder)
+        assert not owned.alive(processes), "the parked cluster outlived its idle time"
+        assert not pool.parked() and not records.records_in(pool.folder)
         assert [p.name for p in pool.folder.iterdir()] == [warm.SETTINGS]  # its profile went with it
     finally:
         pool.stop()

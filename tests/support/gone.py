@@ -5,7 +5,7 @@ import time
 
 import psutil
 
-from shardlab.ranks import procs
+from shardlab.ranks import owned
 
 ENDS_WITHIN_S = 10.0  # after the owner's death
 
@@ -13,7 +13,7 @@ ENDS_WITHIN_S = 10.0  # after the owner's death
 def running(processes: list[tuple[int, float]]) -> list[str]:
     """The recorded processes still running (zombies excluded), described."""
     out = []
-    for proc in procs.alive(processes):
+    for proc in owned.alive(processes):
         try:
             out.append(f"{proc.pid} {' '.join(proc.cmdline())[:100]}")
         except psutil.Error:

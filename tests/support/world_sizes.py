@@ -5,7 +5,7 @@ with 1, 2, 3, 4 or 8 GPUs alike (tests/gpu/test_gpu_workstation.py checks every 
 A test is one of two kinds:
 
 - about CPU ranks (``cpu=True``): gloo, byte counts and predictions that are CPU-specific. Its ranks run on the CPU on
-  every machine, on purpose: ``device="cpu"`` where the call takes a device (``run_job``, ``MPICluster``), and
+  every machine, on purpose: ``device="cpu"`` where the call takes a device (``run_job``, ``RankCluster``), and
   ``env`` (the GPUs hidden: CUDA_VISIBLE_DEVICES="") for a process that places its ranks itself (a command-line
   tool, a notebook's kernel): ranks that see no GPU are CPU ranks;
 - about the program at a world size (``cpu=False``): its ranks run where the rule puts them (one GPU each when there
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardlab.ranks import devices, launch, programs
+from shardlab.ranks import commands, devices, launch
 from shardlab.ranks.devices import DeviceError, place_ranks
 
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # what a kernel or CLI honours: its ranks see no GPU, so they are CPU ranks
@@ -66,7 +66,7 @@ def ranks_for_test(n: int, *, cpu: bool = False, gpus: int | None = None) -> Ran
                 return Ranks(n, gpus, "cuda", placement.why)
             why, env = placement.why, {}  # one GPU: CPU ranks by the rule, and one-rank work keeps the GPU
     try:
-        programs.check_ranks_per_core(n, devices.usable_cores())
+        commands.check_ranks_per_core(n, devices.usable_cores())
     except ValueError as refused:
         return Ranks(n, gpus, None, why, skip=f"needs {n} CPU ranks ({why}), which this machine refuses: {refused}")
     return Ranks(n, gpus, "cpu", why, env)
@@ -115,7 +115,7 @@ def run_job_unstarted(monkeypatch, n: int, launcher: str = "torchrun", device: s
         seen["env"] = env
         return SimpleNamespace(returncode=0, stdout="", stderr="")
 
-    monkeypatch.setattr(launch.procs, "run_process_group", fake_run)
+    monkeypatch.setattr(launch.subprocesses, "run_process_group", fake_run)
     monkeypatch.setattr(launch, "job_command", lambda *args, **kwargs: ["true"])
     job = launch.run_job(launcher, n, "shardlab.tools.smoke", timeout_s=1, device=device)
     return job.placement, seen["env"]

@@ -22,7 +22,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from browser_support import CHROMIUM_ARGS, chromium_environment, find_chromium, lab_server
-from shardlab.ranks import procs
+from shardlab.ranks import owned
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -148,7 +148,7 @@ def parked_engines() -> set[int]:
     """The PIDs of this test's live engine processes (the engines, their nannies and launcher): once a notebook's
     last cell stopped its cluster, the ones waiting in the pool for the next notebook."""
     alive = set()
-    for proc in procs.leftover_processes():
+    for proc in owned.leftover_processes():
         with contextlib.suppress(psutil.Error):
             if "ipyparallel.engine" in " ".join(proc.cmdline()):
                 alive.add(proc.pid)

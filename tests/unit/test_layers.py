@@ -30,7 +30,7 @@ def shardlab_imports(path: Path, package: tuple[str, ...] = ()) -> set[str]:
     targets = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:  # from .mesh import x; from ..ranks import procs; from . import report
+            if node.level:  # from .mesh import x; from ..ranks import owned; from . import report
                 base = list(package[: len(package) - (node.level - 1)])
                 module = base + (node.module.split(".") if node.module else [])
             elif node.module and (node.module == "shardlab" or node.module.startswith("shardlab.")):
@@ -83,13 +83,13 @@ def test_imports_only_lower_layers(module):
 
 def test_every_import_form_is_seen_even_inside_functions(tmp_path):
     source = tmp_path / "planted.py"
-    source.write_text("from ..mesh import build_mesh\nfrom . import procs\nfrom .. import report\n"
+    source.write_text("from ..mesh import build_mesh\nfrom . import owned\nfrom .. import report\n"
                       "import shardlab.plot\n"
-                      "from shardlab.ranks.cluster import MPICluster\nfrom shardlab import check\n"
+                      "from shardlab.ranks.cluster import RankCluster\nfrom shardlab import check\n"
                       "from ..tools import smoke\n"
                       "def later():\n    from ..train import train\n    import shardlab.tools.bench as bench\n")
     assert shardlab_imports(source, package=("ranks",)) == {
-        "mesh", "ranks.procs", "report", "plot", "ranks.cluster", "check", "tools.smoke", "train", "tools.bench"}
+        "mesh", "ranks.owned", "report", "plot", "ranks.cluster", "check", "tools.smoke", "train", "tools.bench"}
 
 
 def test_no_module_is_over_400_lines():

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from notebook_runner import NotebookRun, _timed, kernel_seconds, left_in_temp_folder
-from shardlab.ranks import procs
+from shardlab.ranks import folders
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 OTHER_SIZES = {"02": (2,), "03": (2,), "04": (2, 8), "05": (2,)}
@@ -23,7 +23,7 @@ if os.environ.get("SHARDLAB_TEST_ALL_SIZES") == "1":
 
 def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tmp_path):
     (tmp_path / "torchinductor_someone").mkdir()  # torch.compile's cache: kept on purpose
-    registry = tmp_path / procs.registry_name()
+    registry = tmp_path / folders.registry_name()
     registry.mkdir()
     assert left_in_temp_folder(tmp_path) == []
     (tmp_path / "capstone-x1y2").mkdir()  # e.g. a checkpoint folder nobody removes

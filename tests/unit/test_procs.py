@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab.ranks import procs
+from shardlab.ranks import folders, owned, records, subprocesses
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -27,9 +27,9 @@ def sleeper():
     proc.wait()
 
 
-def _record(sleeper, owner_pid, owner_created, profile_dir) -> procs.Record:
-    record = procs.Record("shardlab-test", owner_pid, owner_created, str(profile_dir),
-                          [procs.identity(sleeper.pid)])
+def _record(sleeper, owner_pid, owner_created, profile_dir) -> records.Record:
+    record = records.Record("shardlab-test", owner_pid, owner_created, str(profile_dir),
+                          [owned.identity(sleeper.pid)])
     record.save()
     return record
 
@@ -41,9 +41,9 @@ def _dead_owner() -> tuple[int, float]:
 
 
 def test_registry_is_owner_only_and_records_are_written_whole(registry):
-    path = procs.registry()
+    path = folders.registry()
     assert path == registry and path.stat().st_mode & 0o777 == 0o700
-    record = procs.Record("shardlab-x", 1, 2.0, "/nonexistent")
+    record = records.Record("shardlab-x", 1, 2.0, "/nonexistent")
     record.save()
     assert record.path.stat().st_mode & 0o777 == 0o600
     assert json.loads(record.path.read_text())["cluster_id"] == "shardlab-x"
@@ -53,29 +53,29 @@ def test_registry_is_owner_only_and_records_are_written_whole(registry):
 def test_registry_open_to_others_is_refused_with_what_to_do(registry):
     registry.mkdir(mode=0o777)
     registry.chmod(0o777)
-    with pytest.raises(procs.UnsafeFolder, match=r"open to other users \(mode 777\): run chmod 700"):
-        procs.registry()
+    with pytest.raises(folders.UnsafeFolder, match=r"open to other users \(mode 777\): run chmod 700"):
+        folders.registry()
 
 
 def test_registry_that_is_a_link_is_refused(registry, tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)
     registry.symlink_to(target)
-    with pytest.raises(procs.UnsafeFolder, match="not a plain folder"):
-        procs.registry()
+    with pytest.raises(folders.UnsafeFolder, match="not a plain folder"):
+        folders.registry()
 
 
 def test_cluster_of_a_dead_kernel_is_stopped_and_its_profile_removed(registry, sleeper):
-    profile = Path(procs.make_profile_dir("shardlab-test"))
+    profile = Path(folders.make_profile_dir("shardlab-test"))
     record = _record(sleeper, *_dead_owner(), profile)
-    assert procs.clean_stale_clusters() == 1
+    assert records.clean_stale_clusters() == 1
     assert sleeper.wait(timeout=10) is not None
     assert not profile.exists() and not record.path.exists()
 
 
 def test_cluster_of_a_live_kernel_is_left_alone(registry, sleeper, tmp_path):
-    record = _record(sleeper, *procs.identity(), tmp_path)
-    assert procs.clean_stale_clusters() == 0
+    record = _record(sleeper, *owned.identity(), tmp_path)
+    assert records.clean_stale_clusters() == 0
     assert sleeper.poll() is None and record.path.exists()  # what it stops has exited by the time it returns
 
 
@@ -86,26 +86,26 @@ def test_a_record_naming_someone_elses_folder_deletes_nothing(registry, tmp_path
     (precious / "chapter1.tex").write_text("years of work")
     elsewhere_with_our_prefix = Path(tempfile.mkdtemp(prefix="not-ours-"))
     for target in (precious, elsewhere_with_our_prefix, tmp_path):
-        procs.Record("shardlab-test", *_dead_owner(), str(target)).save()
-        assert procs.clean_stale_clusters() == 1
+        records.Record("shardlab-test", *_dead_owner(), str(target)).save()
+        assert records.clean_stale_clusters() == 1
         assert target.exists(), f"{target} was deleted"
     assert (precious / "chapter1.tex").read_text() == "years of work"
     elsewhere_with_our_prefix.rmdir()
 
 
 def test_a_record_with_a_recycled_pid_kills_nothing(registry, sleeper):
-    record = procs.Record("shardlab-test", *_dead_owner(), "/nonexistent",
-                          [(sleeper.pid, procs.identity(sleeper.pid)[1] - 100)])  # same pid, other process
+    record = records.Record("shardlab-test", *_dead_owner(), "/nonexistent",
+                          [(sleeper.pid, owned.identity(sleeper.pid)[1] - 100)])  # same pid, other process
     record.save()
-    procs.clean_stale_clusters()  # returns once whatever it stopped has exited
+    records.clean_stale_clusters()  # returns once whatever it stopped has exited
     assert sleeper.poll() is None
 
 
 def test_files_in_the_registry_that_are_not_our_records_are_ignored(registry, sleeper):
-    path = procs.registry()
+    path = folders.registry()
     (path / "garbage.json").write_text("{not json")
     (path / "other.json").write_text(json.dumps({"owner_pid": 1, "processes": [[sleeper.pid, 0]]}))
-    assert procs.clean_stale_clusters() == 0
+    assert records.clean_stale_clusters() == 0
     assert sleeper.poll() is None
 
 
@@ -115,13 +115,13 @@ def test_leftovers_are_only_processes_started_from_this_origin(tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport time; time.sleep(120)\n")
     fake.chmod(0o755)
     unrelated = subprocess.Popen([str(fake), "-n", "4", "ipengine"],
-                                 env={k: v for k, v in os.environ.items() if k != procs.ORIGIN})
-    ours = subprocess.Popen(SLEEP, env=os.environ | procs.marked_environment())
+                                 env={k: v for k, v in os.environ.items() if k != owned.ORIGIN})
+    ours = subprocess.Popen(SLEEP, env=os.environ | owned.marked_environment())
     try:
         deadline = time.monotonic() + 10
-        while ours.pid not in {p.pid for p in procs.leftover_processes()} and time.monotonic() < deadline:
+        while ours.pid not in {p.pid for p in owned.leftover_processes()} and time.monotonic() < deadline:
             time.sleep(0.1)  # the environment is readable once the process has started
-        found = {p.pid for p in procs.leftover_processes()}
+        found = {p.pid for p in owned.leftover_processes()}
         assert ours.pid in found and unrelated.pid not in found
     finally:
         for proc in (unrelated, ours):
@@ -135,13 +135,14 @@ def test_a_process_group_past_its_time_is_stopped_whole_and_named(tmp_path):
     child_pid = tmp_path / "child"
     cmd = ["sh", "-c", f"sleep 600 & echo $! > {child_pid}; wait"]
     with pytest.raises(TimeoutError, match=r"the sleepers did not finish within 2 s.*sleep 600 &"):
-        procs.run_process_group(cmd, os.environ | procs.marked_environment(), 2, "the sleepers")
+        subprocesses.run_process_group(cmd, os.environ | owned.marked_environment(), 2, "the sleepers")
     with contextlib.suppress(psutil.NoSuchProcess):  # gone already, or ending: it was signalled with its shell
         psutil.Process(int(child_pid.read_text())).wait(timeout=15)
 
 
 def test_a_process_group_that_finishes_gives_its_exit_code_and_output():
-    done = procs.run_process_group(["sh", "-c", "echo out; echo err >&2; exit 4"], dict(os.environ), 30, "a shell")
+    done = subprocesses.run_process_group(["sh", "-c", "echo out; echo err >&2; exit 4"], dict(os.environ), 30,
+                                          "a shell")
     assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
 
 
@@ -150,9 +151,9 @@ def test_a_detached_child_is_reaped_when_it_exits_not_left_defunct(tmp_path):
     """A parked cluster's keeper is such a child: it exits when another kernel claims the cluster, while the kernel
     that started it runs on. Nothing of it may stay in the process table, not even a <defunct> entry."""
     go = tmp_path / "go"
-    pid, created = procs.start_detached([sys.executable, "-c", f"import os, time\nwhile not os.path.exists("
+    pid, created = subprocesses.start_detached([sys.executable, "-c", f"import os, time\nwhile not os.path.exists("
                                          f"{str(go)!r}): time.sleep(0.05)"], dict(os.environ))
-    assert procs.same_process(pid, created) is not None
+    assert owned.same_process(pid, created) is not None
     assert psutil.Process(pid).ppid() == os.getpid() and os.getsid(pid) == pid  # a session of its own
     go.touch()
     deadline = time.monotonic() + 15
@@ -165,28 +166,28 @@ def test_a_detached_child_is_reaped_when_it_exits_not_left_defunct(tmp_path):
 
 def test_a_profile_in_a_shared_folder_is_ours_and_cleaned_up(registry, tmp_path, sleeper):
     shared = tmp_path / "shared"
-    profile = Path(procs.make_profile_dir("shardlab-test", shared))
+    profile = Path(folders.make_profile_dir("shardlab-test", shared))
     assert profile.parent == shared and profile.stat().st_mode & 0o777 == 0o700
-    assert procs.created_profile_dir(profile)
+    assert folders.created_profile_dir(profile)
     _record(sleeper, *_dead_owner(), profile)
-    assert procs.clean_stale_clusters() == 1
+    assert records.clean_stale_clusters() == 1
     assert not profile.exists() and shared.exists()
 
 
 def test_our_prefix_alone_or_a_copied_marker_is_not_enough(registry, tmp_path):
     """Only the folder make_profile_dir created is deleted: the name prefix and the marker must both say so."""
-    no_marker = tmp_path / f"{procs.profile_prefix()}lookalike"
+    no_marker = tmp_path / f"{folders.profile_prefix()}lookalike"
     no_marker.mkdir()
-    copied = tmp_path / f"{procs.profile_prefix()}copied"
+    copied = tmp_path / f"{folders.profile_prefix()}copied"
     copied.mkdir()
-    real = Path(procs.make_profile_dir("shardlab-test", tmp_path))
-    (copied / procs.PROFILE_MARKER).write_text((real / procs.PROFILE_MARKER).read_text())  # names another folder
-    linked = tmp_path / f"{procs.profile_prefix()}linked"
+    real = Path(folders.make_profile_dir("shardlab-test", tmp_path))
+    (copied / folders.PROFILE_MARKER).write_text((real / folders.PROFILE_MARKER).read_text())  # names another folder
+    linked = tmp_path / f"{folders.profile_prefix()}linked"
     linked.symlink_to(real)
     for target in (no_marker, copied, linked):
-        assert not procs.created_profile_dir(target)
-        procs.Record("shardlab-test", *_dead_owner(), str(target)).save()
-        procs.clean_stale_clusters()
+        assert not folders.created_profile_dir(target)
+        records.Record("shardlab-test", *_dead_owner(), str(target)).save()
+        records.clean_stale_clusters()
         assert target.exists(), f"{target} was deleted"
     assert real.exists()
 
@@ -194,7 +195,7 @@ def test_our_prefix_alone_or_a_copied_marker_is_not_enough(registry, tmp_path):
 # -- a second user on the same machine (needs root to become one) ---------------------------------------------
 
 NOBODY = 65534
-needs_root = pytest.mark.skipif(procs.user_id() != 0, reason="needs root, to run code as a second user (nobody)")
+needs_root = pytest.mark.skipif(folders.user_id() != 0, reason="needs root, to run code as a second user (nobody)")
 
 
 @pytest.fixture
@@ -215,12 +216,12 @@ def _become_nobody():
 
 
 def _second_users_python() -> list[str] | None:
-    """An interpreter the second user may run that imports shardlab.ranks.procs: this one, else the system's Python of
+    """An interpreter the second user may run that imports shardlab.ranks.owned: this one, else the system's Python of
     the same version with this environment's packages (this one may sit in root's home, closed to others)."""
     import site
     import sysconfig
 
-    paths = os.pathsep.join([str(Path(procs.__file__).parents[1]), sysconfig.get_paths()["purelib"],
+    paths = os.pathsep.join([str(Path(owned.__file__).parents[1]), sysconfig.get_paths()["purelib"],
                              *site.getsitepackages()])
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     for python, env in ((sys.executable, {}), (shutil.which(version, path="/usr/bin:/usr/local/bin"),
@@ -228,7 +229,7 @@ def _second_users_python() -> list[str] | None:
         if python is None:
             continue
         try:
-            probe = subprocess.run([python, "-c", "from shardlab.ranks import procs"],
+            probe = subprocess.run([python, "-c", "from shardlab.ranks import owned"],
                                    env={"PATH": os.environ["PATH"]} | env,
                                    capture_output=True, timeout=60, preexec_fn=_become_nobody, cwd="/")
         except OSError:
@@ -242,7 +243,7 @@ def as_nobody(code: str, tmp: Path) -> subprocess.CompletedProcess:
     python = _second_users_python()
     if python is None:
         pytest.skip("no Python here that a second user (nobody) may run with shardlab importable")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "TMPDIR": str(tmp), procs.ORIGIN: os.environ[procs.ORIGIN]}
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "TMPDIR": str(tmp), owned.ORIGIN: os.environ[owned.ORIGIN]}
     if python[1]:
         env["PYTHONPATH"] = python[1]
     return subprocess.run([python[0], "-c", code], env=env, capture_output=True, text=True, timeout=120,
@@ -253,7 +254,7 @@ def as_nobody(code: str, tmp: Path) -> subprocess.CompletedProcess:
 def test_another_users_registry_folder_is_refused_not_trusted(shared_tmp):
     """Another user creates the folder where this user's registry would go, with a record in it naming this
     user's folder: shardlab refuses to use it, says why, and deletes nothing."""
-    precious = Path(procs.make_profile_dir("shardlab-mine"))  # a real profile of ours, a tempting target
+    precious = Path(folders.make_profile_dir("shardlab-mine"))  # a real profile of ours, a tempting target
     out = as_nobody(f"""
 import json, os
 path = os.path.join({str(shared_tmp)!r}, "shardlab-0-registry")
@@ -263,8 +264,9 @@ with open(os.path.join(path, "evil.json"), "w") as f:
                "processes": []}}, f)
 """, shared_tmp)
     assert out.returncode == 0, out.stderr
-    with pytest.raises(procs.UnsafeFolder, match=rf"belongs to user id {NOBODY}, not to you \(0\).*SHARDLAB_REGISTRY"):
-        procs.clean_stale_clusters()
+    theirs = rf"belongs to user id {NOBODY}, not to you \(0\).*SHARDLAB_REGISTRY"
+    with pytest.raises(folders.UnsafeFolder, match=theirs):
+        records.clean_stale_clusters()
     assert precious.exists()
 
 
@@ -273,16 +275,16 @@ def test_a_second_user_sees_none_of_our_processes_and_stops_nothing(shared_tmp, 
     """nobody runs what a test session or start_cluster runs: reading our processes' environments is denied
     (AccessDenied, handled), our processes are not theirs, and a record of theirs naming our process and our
     profile folder touches neither."""
-    ours = subprocess.Popen(SLEEP, env=os.environ | procs.marked_environment())
-    profile = Path(procs.make_profile_dir("shardlab-mine"))
+    ours = subprocess.Popen(SLEEP, env=os.environ | owned.marked_environment())
+    profile = Path(folders.make_profile_dir("shardlab-mine"))
     try:
-        created = procs.identity(ours.pid)[1]
+        created = owned.identity(ours.pid)[1]
         out = as_nobody(f"""
 import json
-from shardlab.ranks import procs
-print(json.dumps([p.pid for p in procs.leftover_processes()]))
-procs.Record("shardlab-theirs", 1, 0.0, {str(profile)!r}, [({ours.pid}, {created})]).save()
-print(procs.clean_stale_clusters())
+from shardlab.ranks import folders, owned, records, subprocesses
+print(json.dumps([p.pid for p in owned.leftover_processes()]))
+records.Record("shardlab-theirs", 1, 0.0, {str(profile)!r}, [({ours.pid}, {created})]).save()
+print(records.clean_stale_clusters())
 """, shared_tmp)
         assert out.returncode == 0, out.stderr[-2000:]
         found, cleaned = out.stdout.split()

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from shardlab import quiet
-from shardlab.ranks.engines import engine_environment
+from shardlab.ranks.engine_launchers import engine_environment
 
 WARP_LINE = quiet.WARP_WITHOUT_DRIVER.decode()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gone import ENDS_WITHIN_S, running, wait_gone
-from shardlab.ranks import procs, warden
+from shardlab.ranks import folders, owned, records, warden
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 
@@ -25,7 +25,7 @@ def started():
     children: list[subprocess.Popen] = []
 
     def start(cmd=SLEEP, **env) -> subprocess.Popen:
-        children.append(subprocess.Popen(cmd, env=os.environ | procs.marked_environment() | env))
+        children.append(subprocess.Popen(cmd, env=os.environ | owned.marked_environment() | env))
         return children[-1]
 
     yield start
@@ -35,25 +35,25 @@ def started():
         child.wait(timeout=30)
 
 
-def _cluster_of_sleepers(started, profile_dir: str, owner: subprocess.Popen) -> tuple[procs.Record, list]:
+def _cluster_of_sleepers(started, profile_dir: str, owner: subprocess.Popen) -> tuple[records.Record, list]:
     """A record owned by ``owner`` listing one sleeper, one more sleeper only marked with the cluster's id (a start cut
     short before recording it), and its warden: (record, identities of all three)."""
     recorded, marked = started(), started(**warden.marked_environment("shardlab-doomed"))
-    record = procs.Record("shardlab-doomed", *procs.identity(owner.pid), profile_dir,
-                          [procs.identity(recorded.pid)])
+    record = records.Record("shardlab-doomed", *owned.identity(owner.pid), profile_dir,
+                          [owned.identity(recorded.pid)])
     record.save()
-    watcher = warden.start(record, os.environ | procs.marked_environment())
-    return record, [procs.identity(recorded.pid), procs.identity(marked.pid), watcher]
+    watcher = warden.start(record, os.environ | owned.marked_environment())
+    return record, [owned.identity(recorded.pid), owned.identity(marked.pid), watcher]
 
 
 def test_a_dead_owners_cluster_ends_and_nothing_else_does(registry, started):
     owner = started()
-    profile = procs.make_profile_dir("shardlab-doomed")
+    profile = folders.make_profile_dir("shardlab-doomed")
     record, doomed = _cluster_of_sleepers(started, profile, owner)
     # Bystanders: another cluster's marked process, another live owner's recorded one, an unmarked process of ours.
     other_cluster, unmarked = started(**warden.marked_environment("shardlab-other")), started()
     other_record = started()
-    procs.Record("shardlab-alive", *procs.identity(), "/nonexistent", [procs.identity(other_record.pid)]).save()
+    records.Record("shardlab-alive", *owned.identity(), "/nonexistent", [owned.identity(other_record.pid)]).save()
 
     owner.send_signal(signal.SIGKILL)  # not reaped yet: a zombie owner is no owner
     killed = time.monotonic()
@@ -61,7 +61,7 @@ def test_a_dead_owners_cluster_ends_and_nothing_else_does(registry, started):
     assert not left, f"still running {ENDS_WITHIN_S:.0f} s after the owner was killed: {left}"
     assert all(p.poll() is None for p in (other_cluster, unmarked, other_record))
     assert not record.path.exists() and not Path(profile).exists()
-    assert [r.cluster_id for r in procs.records_in()] == ["shardlab-alive"]
+    assert [r.cluster_id for r in records.records_in()] == ["shardlab-alive"]
 
 
 def test_a_cluster_stopped_by_its_owner_lets_its_warden_go(registry, started, tmp_path):
@@ -76,7 +76,7 @@ def test_a_cluster_handed_over_follows_its_new_owner(registry, started, tmp_path
     the new owner's does."""
     first, second = started(), started()
     record, doomed = _cluster_of_sleepers(started, str(tmp_path), first)
-    record.owner_pid, record.owner_created = procs.identity(second.pid)
+    record.owner_pid, record.owner_created = owned.identity(second.pid)
     record.save()
     first.kill()
     first.wait()
@@ -91,19 +91,19 @@ def test_a_cluster_handed_over_follows_its_new_owner(registry, started, tmp_path
 def test_a_claimed_clusters_keeper_waits_until_the_record_names_the_claimant(registry, tmp_path):
     """warm.keep's last step: the keeper stays the owner until the claimant has saved itself as the new one, so the
     warden never sees a cluster without a live owner in between."""
-    keeper = procs.identity()
-    record = procs.Record("shardlab-claimed", *keeper, str(tmp_path))
+    keeper = owned.identity()
+    record = records.Record("shardlab-claimed", *keeper, str(tmp_path))
     record.save()
 
     def claimant_saves():
         time.sleep(0.5)
-        record.owner_pid, record.owner_created = procs.identity(os.getppid())
+        record.owner_pid, record.owner_created = owned.identity(os.getppid())
         record.save()
 
     saver = threading.Thread(target=claimant_saves)
     saver.start()
     assert warden.handed_over(record.path, keeper, timeout_s=30)
-    assert procs.load_record(record.path).owner_pid == os.getppid()  # it returned only after the save
+    assert records.load_record(record.path).owner_pid == os.getppid()  # it returned only after the save
     saver.join()
     record.owner_pid, record.owner_created = keeper
     record.save()

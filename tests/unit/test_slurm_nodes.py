@@ -14,7 +14,7 @@ from physicsnemo.distributed import DistributedManager
 
 from shardlab import workarounds
 from shardlab.ranks import cluster as cl
-from shardlab.ranks import devices, launch
+from shardlab.ranks import devices, launch, slurm
 from shardlab.ranks.devices import DeviceError
 
 # -- the GPUs of a job on several nodes ---------------------------------------------------------------------------
@@ -61,14 +61,14 @@ def test_slurm_engines_on_two_nodes_of_four_gpus_are_8_cuda_ranks(monkeypatch):
     for var in ("SHARDLAB_RANKS", "SHARDLAB_ENGINES", "SLURM_JOB_ID", "SLURM_GPUS", "SLURM_GPUS_ON_NODE",
                 "SLURM_GPUS_PER_TASK"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cl, "visible_gpus", lambda: 0)  # a kernel on a login node sees none
-    cluster = cl.MPICluster(n=8, engines="slurm", controller_ip="*",
+    monkeypatch.setattr(devices, "visible_gpus", lambda: 0)  # a kernel on a login node sees none
+    cluster = cl.RankCluster(n=8, engines="slurm", controller_ip="*",
                             slurm_args=["--ntasks-per-node=4", "--gpus-per-node=4"])
     assert (cluster.device, cluster.placement.gpus) == ("cuda", 8)
 
 
 def test_a_job_folder_goes_to_the_shared_folder_only_for_slurm(tmp_path, monkeypatch):
-    from shardlab.ranks.programs import job_folder
+    from shardlab.ranks.commands import job_folder
 
     monkeypatch.setenv("SHARDLAB_SHARED_DIR", str(tmp_path / "shared"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -190,13 +190,13 @@ def test_a_step_whose_first_node_cannot_be_read_is_refused_with_what_to_set(meet
     ("n1.cluster.org,n2.cluster.org", ["n1.cluster.org", "n2.cluster.org"]),
 ])
 def test_node_lists_expand_without_scontrol(nodelist, hosts):
-    assert workarounds.expand_nodelist(nodelist) == hosts
+    assert slurm.expand_nodelist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("nodelist", ["", "node[01-02", "node[02-01]", "node[a-b]", "a,,b", "node]1["])
 def test_node_lists_the_parser_cannot_read_are_refused(nodelist):
     with pytest.raises(ValueError):
-        workarounds.expand_nodelist(nodelist)
+        slurm.expand_nodelist(nodelist)
 
 
 def test_819_physicsnemo_still_meets_at_the_launch_node(meeting_point, monkeypatch):

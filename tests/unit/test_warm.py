@@ -10,24 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.ranks import procs, warm
+from shardlab.ranks import folders, owned, rankstate, records, warm
 
 SHAPE = warm.shape_of(2, "cpu", "mpi", "openmpi", "127.0.0.1", None)
 
 
 def _parked(pool, cluster_id, parked_by, keeper, deadline_s=60.0, shape=SHAPE):
     """A parked marker and its (process-less) record, as ``warm.park`` leaves them."""
-    procs.Record(cluster_id, *keeper, profile_dir="", folder=str(pool.folder)).save()
+    records.Record(cluster_id, *keeper, profile_dir="", folder=str(pool.folder)).save()
     warm.Parked(str(pool.folder / f"{cluster_id}{warm.PARKED}"), cluster_id, shape, parked_by,
                 time.time() + deadline_s, keeper).save()
 
 
 def _me():
-    return list(procs.identity())
+    return list(owned.identity())
 
 
 def _other_kernel():
-    return list(procs.identity(os.getppid()))
+    return list(owned.identity(os.getppid()))
 
 
 def test_a_cluster_parked_by_another_kernel_of_the_pool_is_claimed_once(pool):
@@ -35,7 +35,7 @@ def test_a_cluster_parked_by_another_kernel_of_the_pool_is_claimed_once(pool):
     assert warm.claim(pool, SHAPE | {"n": 4}) is None  # another shape
     record = warm.claim(pool, SHAPE)
     assert record.cluster_id == "shardlab-a" and [record.owner_pid, record.owner_created] == _me()
-    assert procs.load_record(record.path).owner_pid == os.getpid()  # the claiming kernel owns it now
+    assert records.load_record(record.path).owner_pid == os.getpid()  # the claiming kernel owns it now
     assert pool.parked() == [] and warm.claim(pool, SHAPE) is None  # gone from the pool: nobody else gets it
 
 
@@ -43,7 +43,7 @@ def test_a_kernel_never_claims_what_it_parked_itself(pool):
     _parked(pool, "shardlab-own", _me(), keeper=_me())
     assert warm.claim(pool, SHAPE) is None  # stop() then start_cluster() in one notebook asks for new ranks
     warm.evict_own(pool, SHAPE)  # ...and the fresh start stops the ranks it will not use again
-    assert pool.parked() == [] and not procs.records_in(pool.folder)
+    assert pool.parked() == [] and not records.records_in(pool.folder)
 
 
 def test_another_pool_or_another_users_pool_is_never_used(pool, tmp_path):
@@ -55,12 +55,12 @@ def test_another_pool_or_another_users_pool_is_never_used(pool, tmp_path):
         other.stop()
     assert [p.cluster_id for p in pool.parked()] == ["shardlab-b"]
     pool.folder.chmod(0o755)
-    with pytest.raises(procs.UnsafeFolder, match="open to other users"):
+    with pytest.raises(folders.UnsafeFolder, match="open to other users"):
         warm.Pool(pool.folder)
     pool.folder.chmod(0o700)
     if os.getuid() == 0:
         os.chown(pool.folder, 12345, 12345)
-        with pytest.raises(procs.UnsafeFolder, match="belongs to user id 12345"):
+        with pytest.raises(folders.UnsafeFolder, match="belongs to user id 12345"):
             warm.Pool(pool.folder)
         os.chown(pool.folder, 0, 0)
 
@@ -71,19 +71,19 @@ def test_expired_or_orphaned_parked_clusters_are_stopped_by_the_next_start(pool)
     _parked(pool, "shardlab-fresh", _other_kernel(), keeper=_me())
     assert pool.clean_up() == 2
     assert [p.cluster_id for p in pool.parked()] == ["shardlab-fresh"]
-    assert [r.cluster_id for r in procs.records_in(pool.folder)] == ["shardlab-fresh"]
+    assert [r.cluster_id for r in records.records_in(pool.folder)] == ["shardlab-fresh"]
 
 
 def test_the_keeper_stops_its_cluster_when_the_idle_time_is_up_and_leaves_when_claimed(pool):
     _parked(pool, "shardlab-idle", _other_kernel(), keeper=_me(), deadline_s=0.5)
     warm.keep(pool.folder / f"shardlab-idle{warm.PARKED}", poll_s=0.1)  # returns once it stopped the cluster
-    assert pool.parked() == [] and not procs.records_in(pool.folder)
+    assert pool.parked() == [] and not records.records_in(pool.folder)
     _parked(pool, "shardlab-claimed", _other_kernel(), keeper=_me())
     assert warm.claim(pool, SHAPE) is not None
     keeper = subprocess.run([sys.executable, "-m", "shardlab.ranks.warm", "keep",  # a process of its own, as park's
                              str(pool.folder / f"shardlab-claimed{warm.PARKED}")], timeout=60)
     assert keeper.returncode == 0  # the marker is gone and the record names the claimant: it exits at once
-    assert [r.cluster_id for r in procs.records_in(pool.folder)] == ["shardlab-claimed"]  # the claimant's now
+    assert [r.cluster_id for r in records.records_in(pool.folder)] == ["shardlab-claimed"]  # the claimant's now
 
 
 def test_run_gives_the_command_a_pool_and_removes_it_after(tmp_path):
@@ -106,7 +106,7 @@ def test_restore_registry_removes_new_handlers_and_puts_back_replaced_ones():
     from shardlab.exercises.nb10 import registered_handler
     from shardlab.models import DIFFUSE
 
-    before = warm.registry_snapshot()
+    before = rankstate.registry_snapshot()
     series_roll = ShardTensor._function_registry.get(torch.roll)
 
     def learner_patch(func, types, args, kwargs):
@@ -117,7 +117,7 @@ def test_restore_registry_removes_new_handlers_and_puts_back_replaced_ones():
     ShardTensor.register_function_handler(torch.roll, learner_patch)  # replaces the series' handler, if any
     ShardTensor.register_dispatch_handler(DIFFUSE, learner_patch)
     assert registered_handler() is learner_patch
-    warm.restore_registry(before)
-    assert warm.registry_snapshot() == before
+    rankstate.restore_registry(before)
+    assert rankstate.registry_snapshot() == before
     assert registered_handler() is None
     assert ShardTensor._function_registry.get(torch.roll) is series_roll

@@ -297,23 +297,23 @@ def test_psutil_creation_times_still_move_with_the_wall_clock(monkeypatch):
     monkeypatch.setattr(_pslinux, "boot_time", lambda: boot_time() + 1.0)  # NTP moved the clock by 1 s
     assert psutil.Process().create_time() != before, (
         "psutil's creation time no longer follows the wall clock (psutil #2526): delete process_started from "
-        "shardlab/workarounds.py and use Process.create_time() in shardlab.ranks.procs")
+        "shardlab/workarounds.py and use Process.create_time() in shardlab.ranks.owned")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the boot time is read from /proc/stat on Linux")
 def test_a_running_process_is_still_itself_after_the_wall_clock_moved(monkeypatch):
     from psutil import _pslinux
 
-    from shardlab.ranks import procs
+    from shardlab.ranks import owned
 
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
         try:
-            recorded = [procs.identity(), procs.identity(child.pid)]
+            recorded = [owned.identity(), owned.identity(child.pid)]
             boot_time = _pslinux.boot_time
             monkeypatch.setattr(_pslinux, "boot_time", lambda: boot_time() + 1.0)
-            assert procs.same_process(*recorded[0]) is not None
-            assert [p.pid for p in procs.alive(recorded)] == [os.getpid(), child.pid]
-            assert procs.same_process(child.pid, recorded[1][1] - 1.0) is None  # a later process with the pid
+            assert owned.same_process(*recorded[0]) is not None
+            assert [p.pid for p in owned.alive(recorded)] == [os.getpid(), child.pid]
+            assert owned.same_process(child.pid, recorded[1][1] - 1.0) is None  # a later process with the pid
         finally:
             child.kill()
 

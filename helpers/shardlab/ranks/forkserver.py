@@ -88,14 +88,14 @@ def start(folder: str | os.PathLike, environment: dict[str, str], owner: tuple[i
     processes are); (pid, start time). It listens at once and serves once its imports are done: a stub that asks
     meanwhile waits. ``owner`` (pid, start time): it exits when that process is gone (a cluster's warden does that
     for a cluster's server)."""
-    from . import procs
+    from . import owned, subprocesses
 
     path = socket_path(folder)
     path.unlink(missing_ok=True)
-    started = procs.start_detached([sys.executable, "-m", "shardlab.ranks.forkserver", str(path),
+    started = subprocesses.start_detached([sys.executable, "-m", "shardlab.ranks.forkserver", str(path),
                                     *map(str, owner or ())], environment)
     deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline and procs.alive([started]):
+    while not path.exists() and time.monotonic() < deadline and owned.alive([started]):
         time.sleep(0.01)  # it binds before anything else: milliseconds
     return started
 
@@ -106,18 +106,18 @@ def for_job(launcher: str, folder: str | os.PathLike, environment: dict[str, str
     ``environment``): a fork server while the job runs, owned by this process; yields what goes before the program on
     the launcher's command line (the stub), or [] where the job starts the usual way (Slurm, the opt-out), said in
     one line."""
-    from . import procs
+    from . import owned
 
     if (why := why_not(folder, on_other_nodes=launcher == "slurm")) is not None:
         print(f"shardlab: the job's ranks start without a fork server, each importing PyTorch itself: {why}.",
               file=sys.stderr)
         yield []
         return
-    server = start(folder, environment, owner=procs.identity())
+    server = start(folder, environment, owner=owned.identity())
     try:  # torchrun runs its program as ``python -u PROGRAM``: the stub then runs without -I, still standard only
         yield stub_command(folder)[2:] if launcher == "torchrun" else stub_command(folder)[1:]
     finally:
-        procs.stop(procs.alive([server]), 3.0)
+        owned.stop(owned.alive([server]), 3.0)
 
 
 def invariants() -> list[str]:
@@ -172,7 +172,7 @@ def serve(path: Path, owner: tuple[int, float] | None = None) -> None:
     finally:
         os.umask(old)
     listener.listen(256)
-    from . import procs
+    from . import owned
 
     me = os.getpid()
     forkchild.SERVER_SOCKET = str(path)
@@ -182,7 +182,7 @@ def serve(path: Path, owner: tuple[int, float] | None = None) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     try:
-        while path.parent.is_dir() and (owner is None or procs.same_process(*owner) is not None):
+        while path.parent.is_dir() and (owner is None or owned.same_process(*owner) is not None):
             for _ in selector.select(POLL_S):
                 conn, _ = listener.accept()
                 pid = answer(conn, refused, [listener, *engines.values()], selector)

@@ -1,9 +1,8 @@
-"""Launch layer: how ranks are started, what each launcher tells them, and one safe way to
-initialise PhysicsNeMo's ``DistributedManager`` on every rank.
+"""A launch as its ranks see it: what each launcher tells them (``detect_launch``), ``DistributedManager`` initialised
+on every rank (``init_distributed``), and a job of such ranks run from here (``run_job``).
 
-This module is the only place that knows launcher variables and launcher command lines
-(``torchrun``, OpenMPI's and MPICH's ``mpiexec``, Slurm's ``srun``), the MPI environment and how to
-pick a free port.
+The only module that knows the launchers' variables (``torchrun``, OpenMPI's and MPICH's ``mpiexec``, Slurm's
+``srun``); their command lines, environment and ports are ``commands``'.
 Introduced in ``notebooks/01_launchers.ipynb``.
 """
 
@@ -20,12 +19,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from .. import flight, workarounds
-from . import devices, forkserver, procs
-from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
+from . import devices, forkserver, owned, subprocesses
 
 # find_mpiexec and torchrun_command are here for callers of sl.ranks.launch: notebook 08, and the planner's two launches
 # until they use run_job; write_job_result for the programs that run_job runs.
-from .programs import (
+from .commands import (
     NODE_OWN_TEMP,
     RESULT_FILE,
     LaunchError,
@@ -39,8 +37,10 @@ from .programs import (
     mpi_environment,
     mpi_session_environment,
     torchrun_command,  # noqa: F401
+    wait_for_rank_zero,
     write_job_result,  # noqa: F401
 )
+from .devices import DeviceError, Placement, gpu_index, place_ranks, slurm_gpus, usable_cores, visible_gpus
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 # What PhysicsNeMo assumes when MASTER_ADDR / MASTER_PORT are unset.
@@ -180,7 +180,7 @@ def clean_environment(**extra: str) -> dict[str, str]:
     launcher_vars = {name for each in LAUNCHERS for name in (each.rank, each.world_size, *each.local_rank)}
     launcher_vars |= {"PHYSICSNEMO_DISTRIBUTED_INITIALIZATION_METHOD"}
     env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    return env | procs.marked_environment() | extra
+    return env | owned.marked_environment() | extra
 
 
 def job_environment(**extra: str) -> dict[str, str]:
@@ -226,7 +226,7 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
     a GPU; then at most ``check_ranks_per_core`` CPU ranks), then ``env``. The result's ``placement`` says what ran.
 
     Always cleans up: the job's log folder (torchrun's logs, OpenMPI's session folder, the result file) is
-    removed, and on time-out or interruption its whole process group is stopped (``procs.run_process_group``);
+    removed, and on time-out or interruption its whole process group is stopped (``subprocesses.run_process_group``);
     a time-out raises a TimeoutError naming the launcher, the rank count and the module. A non-zero exit raises
     JobFailed, with stderr's end; with ``check=False`` it returns instead when the job wrote a result (a check that
     failed on some rank, reported, and the exit code says so). ``show_output``: the job's output goes to this
@@ -248,7 +248,7 @@ def run_job(launcher: str, n: int, module: str | os.PathLike, args: Sequence[str
         t0 = time.perf_counter()
         with forkserver.for_job(launcher, logs, job_env) as stub:  # ranks forked from one imported parent
             forked = job_command(launcher, n, *stub, *program, *args, log_dir=logs) if stub else cmd
-            proc = procs.run_process_group(forked, job_env, timeout_s, what, capture=not show_output)
+            proc = subprocesses.run_process_group(forked, job_env, timeout_s, what, capture=not show_output)
         seconds = time.perf_counter() - t0
         result = json.loads(result_file.read_text()) if result_file.exists() else None
     if proc.returncode and (check or result is None):
@@ -349,6 +349,8 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
             warnings.filterwarnings("ignore", message="Could not initialize using ENV")
             with (workarounds.cpu_safe_process_group_init(timeout), workarounds.nccl_errors_raise(),
                   workarounds.gpu_of_this_rank(gpu), workarounds.slurm_rendezvous_on_first_node()):
+                if info.launcher != "slurm":  # PhysicsNeMo's Slurm method meets elsewhere than MASTER_ADDR
+                    wait_for_rank_zero(info.rank, timeout.total_seconds())
                 DistributedManager.initialize()
         phases["process group"] = time.perf_counter() - t0 - sum(phases.values())
         workarounds.no_cross_rank_autograd_cache()
@@ -367,6 +369,7 @@ def init_distributed(timeout: timedelta | float = DEFAULT_TIMEOUT) -> Distribute
         threads=torch.get_num_threads(), master_addr=os.environ.get("MASTER_ADDR") if backend else None,
         node_id=int(os.environ["SLURM_NODEID"]) if info.launcher == "slurm" and "SLURM_NODEID" in os.environ else None,
     )
+
 
 
 def default_device():

@@ -1,7 +1,7 @@
 """``%%px`` wiring: blocking cells on every rank, a deadline per cell, and a per-rank summary of a failed cell; the
 line a cluster's start shows while it runs (``StatusLine``).
 
-``MPICluster.activate`` uses these; notebook 08 reads a failed cell's errors with ``rank_errors``. No shardlab
+``RankCluster.activate`` uses these; notebook 08 reads a failed cell's errors with ``rank_errors``. No shardlab
 imports. Introduced in ``notebooks/01_launchers.ipynb``.
 """
 

@@ -1,7 +1,7 @@
 """Ranks die with their kernel: one small process per cluster that stops it as soon as the process owning it is gone.
 
 A kernel killed by the OOM killer, a crash or SIGKILL runs no ``atexit``: its controller, launcher and engines would
-run on, parented to init, until the next ``start_cluster`` of the same user cleans up after it (``procs``), which may
+run on, parented to init, until the next ``start_cluster`` of the same user cleans up after it (``records``), which may
 be never. So every fresh start also starts a warden (``python -m shardlab.ranks.warden RECORD``) in a session of its
 own, which reads the cluster's record twice a second and, once the record's owner (pid and start time, so a recycled
 pid is not taken for it) has gone, stops everything of that cluster: what the record lists, and every process of this
@@ -16,7 +16,7 @@ Why not ``PR_SET_PDEATHSIG`` on the processes a start runs: it fires when the *t
 in a notebook kernel ipyparallel starts the controller and mpiexec from a thread of its own
 (``ipyparallel/_async.py``, ``AsyncFirst._in_thread``); a parked cluster outlives the kernel that started it; and the
 engines are mpiexec's children, not ours. Nothing else is touched: the record is read only from this user's own
-folder (``procs.load_record``), and a process is stopped only if it is this user's and either recorded (pid and start
+folder (``records.load_record``), and a process is stopped only if it is this user's and either recorded (pid and start
 time) or marked with this cluster's id.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from . import procs
+from . import folders, owned, records, subprocesses
 
 CLUSTER = "SHARDLAB_CLUSTER"  # in the environment of every process of a cluster (and its warden): the cluster's id
 POLL_S = 0.5
@@ -43,10 +43,10 @@ def marked_environment(cluster_id: str) -> dict[str, str]:
     return {CLUSTER: cluster_id}
 
 
-def start(record: procs.Record, environment: dict[str, str]) -> tuple[int, float]:
+def start(record: records.Record, environment: dict[str, str]) -> tuple[int, float]:
     """Start the warden of ``record``'s cluster (saved already) with ``environment`` (marked as the cluster's
     processes are); (pid, start time)."""
-    return procs.start_detached([sys.executable, "-m", "shardlab.ranks.warden", str(record.path)],
+    return subprocesses.start_detached([sys.executable, "-m", "shardlab.ranks.warden", str(record.path)],
                                 environment | marked_environment(record.cluster_id))
 
 
@@ -55,7 +55,7 @@ def marked_processes(cluster_id: str) -> list[psutil.Process]:
     me, out = os.getpid(), []
     for proc in psutil.process_iter():
         try:
-            if (proc.pid != me and proc.uids().real == procs.user_id() and proc.status() != psutil.STATUS_ZOMBIE
+            if (proc.pid != me and proc.uids().real == folders.user_id() and proc.status() != psutil.STATUS_ZOMBIE
                     and proc.environ().get(CLUSTER) == cluster_id):
                 out.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
@@ -63,28 +63,28 @@ def marked_processes(cluster_id: str) -> list[psutil.Process]:
     return out
 
 
-def stop_cluster(record: procs.Record) -> None:
+def stop_cluster(record: records.Record) -> None:
     """Stop every process of ``record``'s cluster, recorded or marked, together; then what ``Record.clean_up``
     does (Slurm jobs cancelled, profile folder and record removed)."""
-    found = {proc.pid: proc for proc in [*procs.alive(record.processes), *marked_processes(record.cluster_id)]}
+    found = {proc.pid: proc for proc in [*owned.alive(record.processes), *marked_processes(record.cluster_id)]}
     found.pop(os.getpid(), None)
-    procs.stop(list(found.values()), GRACE_S)
+    owned.stop(list(found.values()), GRACE_S)
     record.clean_up(grace_s=GRACE_S)
 
 
-def owner_runs(record: procs.Record) -> bool:
+def owner_runs(record: records.Record) -> bool:
     """Whether the record's owner runs: a killed owner that its parent has not reaped yet (a zombie) does not."""
-    return bool(procs.alive([(record.owner_pid, record.owner_created)]))
+    return bool(owned.alive([(record.owner_pid, record.owner_created)]))
 
 
 def watch(path: Path, poll_s: float = POLL_S) -> bool:
     """Wait while the record at ``path`` exists and its owner runs; stop the cluster once the owner is gone. True if
     it stopped the cluster, False if the record went first."""
-    while (record := procs.load_record(path)) is not None:
+    while (record := records.load_record(path)) is not None:
         if owner_runs(record):
             time.sleep(poll_s)
             continue
-        again = procs.load_record(path)  # the owner may have handed the cluster over meanwhile
+        again = records.load_record(path)  # the owner may have handed the cluster over meanwhile
         if again is None:
             return False
         if (again.owner_pid, again.owner_created) == (record.owner_pid, record.owner_created):
@@ -98,7 +98,7 @@ def handed_over(record_path: Path, me: tuple[int, float], timeout_s: float = HAN
     ``me`` (or is gone: the cluster was stopped); False if it still names ``me`` after ``timeout_s`` (a claimant
     that died first: the warden then stops the cluster)."""
     deadline = time.monotonic() + timeout_s
-    while (record := procs.load_record(record_path)) is not None and (record.owner_pid, record.owner_created) == me:
+    while (record := records.load_record(record_path)) is not None and (record.owner_pid, record.owner_created) == me:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

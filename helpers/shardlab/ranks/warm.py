@@ -1,4 +1,4 @@
-"""Warm clusters: ranks that wait for the next notebook instead of exiting, and the reset that makes them fresh.
+"""The pool of warm clusters, on the host: ranks parked for the next notebook, claimed by it, stopped when unused.
 
 A learner going from one notebook to the next should not wait for ranks again. With a pool (``SHARDLAB_WARM_POOL``,
 which ``make lab`` and the test suite set; unset: off), a notebook's ``cluster.stop()`` *parks* its cluster, and the
@@ -8,22 +8,21 @@ handlers only, the RNG of a new process, memory given back.
 
 - A pool is an owner-only folder of one user (``run`` makes one around a command, e.g. JupyterLab, and stops what
   is in it when the command ends). It holds the parked clusters' records, profiles and a settings file: how long a
-  parked cluster waits, and the origin its processes are marked with (``procs``).
+  parked cluster waits, and the origin its processes are marked with (``owned``).
 - A parked cluster has a small keeper process (``python -m shardlab.ranks.warm keep``) that owns it: once the idle time
   is up, the keeper stops it and exits. Claiming is an atomic rename of the parked marker, so one kernel wins.
 - One parked cluster per pool: parking another stops the older one, so a learner holds at most one idle cluster.
 - A kernel never claims the cluster it parked itself: ``stop()`` then ``start_cluster()`` in one notebook asks for
   new ranks (notebook 07 restarts from a checkpoint on really fresh processes).
 - Only mpiexec engines are parked: a Slurm job would hold its nodes idle.
-- Parking gives back what a waiting rank need not hold (``park_rank``): its namespace, process groups (NCCL's
-  buffers), cached GPU blocks. Its CUDA context stays, so a start on CUDA first stops the parked clusters on CUDA
-  (``stop_parked_on_cuda``).
+- Parking gives back what a waiting rank need not hold (``rankstate.park_rank``, run on the ranks, as is the reset,
+  ``rankstate.reset_rank``): its namespace, process groups (NCCL's buffers), cached GPU blocks. Its CUDA context
+  stays, so a start on CUDA first stops the parked clusters on CUDA (``stop_parked_on_cuda``).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import beacon, devices, forkchild, launch, procs, warden
+from . import folders, owned, records, subprocesses, warden
 
 POOL = "SHARDLAB_WARM_POOL"
 SETTINGS = "pool-settings"
@@ -49,13 +48,13 @@ class Pool:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        procs.check_owner_only(self.folder)  # another user's pool is never trusted, nor one open to others
+        folders.check_owner_only(self.folder)  # another user's pool is never trusted, nor one open to others
         settings = json.loads((self.folder / SETTINGS).read_text())
         self.origin, self.idle_s = settings["origin"], float(settings["idle_s"])
 
     @classmethod
     def create(cls, origin: str, idle_s: float = DEFAULT_IDLE_S) -> Pool:
-        folder = Path(tempfile.mkdtemp(prefix=f"{procs.profile_prefix()}warm-"))  # owner-only
+        folder = Path(tempfile.mkdtemp(prefix=f"{folders.profile_prefix()}warm-"))  # owner-only
         (folder / SETTINGS).write_text(json.dumps({"origin": origin, "idle_s": idle_s}))
         return cls(folder)
 
@@ -69,7 +68,7 @@ class Pool:
 
     def marked_environment(self) -> dict[str, str]:
         """What a pool's processes carry instead of the starting kernel's origin: they outlive that kernel."""
-        return {procs.ORIGIN: self.origin}
+        return {owned.ORIGIN: self.origin}
 
     def parked(self) -> list[Parked]:
         return [p for p in map(Parked.load, sorted(self.folder.glob(f"*{PARKED}"))) if p is not None]
@@ -83,7 +82,7 @@ class Pool:
                 if (claimed := parked.claim()) is not None:
                     claimed.clean_up()
                     cleaned += 1
-        return cleaned + procs.clean_stale_clusters(self.folder)
+        return cleaned + records.clean_stale_clusters(self.folder)
 
     def stop(self) -> tuple[int, int]:
         """Stop every cluster of the pool, parked or not, and remove its folder (``make lab`` at exit, a test
@@ -91,7 +90,7 @@ class Pool:
         claimed = [(parked.shape["n"], record) for parked in self.parked() if (record := parked.claim()) is not None]
         for _, record in claimed:
             record.clean_up()
-        for record in (in_use := procs.records_in(self.folder)):
+        for record in (in_use := records.records_in(self.folder)):
             record.clean_up(grace_s=1.0)
         shutil.rmtree(self.folder, ignore_errors=True)
         return sum(n for n, _ in claimed), len(in_use)
@@ -128,12 +127,12 @@ class Parked:
         os.replace(tmp, self.path)
 
     def keeper_alive(self) -> bool:
-        return bool(self.keeper) and procs.same_process(*self.keeper) is not None
+        return bool(self.keeper) and owned.same_process(*self.keeper) is not None
 
-    def record(self) -> procs.Record | None:
-        return procs.load_record(Path(self.path).with_name(f"{self.cluster_id}.json"))
+    def record(self) -> records.Record | None:
+        return records.load_record(Path(self.path).with_name(f"{self.cluster_id}.json"))
 
-    def claim(self) -> procs.Record | None:
+    def claim(self) -> records.Record | None:
         """Take the parked cluster out of the pool (an atomic rename: of two claimants, one wins); its record, or
         None if someone else took it first. The keeper exits once the record names another owner (``warden``)."""
         taken = Path(self.path).with_suffix(f".claimed-{os.getpid()}")
@@ -145,11 +144,11 @@ class Parked:
         return self.record()
 
 
-def claim(pool: Pool, shape: dict) -> procs.Record | None:
+def claim(pool: Pool, shape: dict) -> records.Record | None:
     """A parked cluster of ``shape`` that another kernel parked, taken out of the pool, with this kernel as its
     owner; None if there is none. Expired or orphaned parked clusters are stopped on the way."""
     pool.clean_up()
-    me = list(procs.identity())
+    me = list(owned.identity())
     for parked in pool.parked():
         if parked.shape != shape or parked.parked_by == me:
             continue
@@ -163,21 +162,21 @@ def claim(pool: Pool, shape: dict) -> procs.Record | None:
 def evict_own(pool: Pool, shape: dict) -> None:
     """Stop the parked clusters of ``shape`` that this kernel parked: a fresh start of the same shape from it means
     their ranks will not be used again."""
-    me = list(procs.identity())
+    me = list(owned.identity())
     for parked in pool.parked():
         if parked.shape == shape and parked.parked_by == me and (record := parked.claim()) is not None:
             record.clean_up(grace_s=1.0)
 
 
-def park(pool: Pool, record: procs.Record, shape: dict) -> None:
+def park(pool: Pool, record: records.Record, shape: dict) -> None:
     """Hand a cluster, idle and healthy, to a keeper of its own; the older parked clusters of the pool stop."""
     for older in pool.parked():
         if (claimed := older.claim()) is not None:
             claimed.clean_up(grace_s=1.0)
     parked = Parked(str(pool.folder / f"{record.cluster_id}{PARKED}"), record.cluster_id, shape,
-                    list(procs.identity()), time.time() + pool.idle_s, [])
+                    list(owned.identity()), time.time() + pool.idle_s, [])
     parked.save()
-    keeper_id = list(procs.start_detached([sys.executable, "-m", "shardlab.ranks.warm", "keep", parked.path],
+    keeper_id = list(subprocesses.start_detached([sys.executable, "-m", "shardlab.ranks.warm", "keep", parked.path],
                                           os.environ | pool.marked_environment()))
     record.owner_pid, record.owner_created = keeper_id
     record.save()
@@ -207,142 +206,7 @@ def keep(marker: Path, poll_s: float = 0.5) -> None:
                 record.clean_up(grace_s=1.0)
             return
         time.sleep(poll_s)
-    warden.handed_over(marker.with_name(marker.name.removesuffix(PARKED) + ".json"), procs.identity())  # not ownerless
-
-
-# -- on every rank --------------------------------------------------------------------------------------------------
-
-_SERIES_STATE: dict = {}  # on a rank: what its first initialisation left, to go back to at every reset
-SHARD_REGISTRIES = ("_dispatch_registry", "_dispatch_registry_by_name", "_function_registry",
-                    "_named_function_registry")  # ShardTensor's class-level handler tables, shared by the process
-
-
-def registry_snapshot() -> dict:
-    """A copy of ShardTensor's handler registries as they are now: what ``restore_registry`` puts back."""
-    from physicsnemo.domain_parallel import ShardTensor
-
-    return {name: dict(getattr(ShardTensor, name)) for name in SHARD_REGISTRIES}
-
-
-def restore_registry(snapshot: dict) -> None:
-    """Make ShardTensor's registries what ``snapshot`` holds: a handler registered since is gone, one it replaced is
-    back. In place, because ShardTensor reads the class attributes at every call."""
-    from physicsnemo.domain_parallel import ShardTensor
-
-    for name in SHARD_REGISTRIES:
-        registry = getattr(ShardTensor, name)
-        registry.clear()
-        registry.update(snapshot[name])
-
-
-def init_rank(rendezvous: dict[str, str], timeout_s: float, threads: int) -> dict:
-    """What a cluster engine runs first: where rank 0 listens, how many threads, then ``launch.init_distributed``,
-    then the rank's ``beacon`` (started once per process, pointed at this start on a warm rank's reset).
-
-    At a rank's first initialisation, it also notes the series' own state: ShardTensor's handler registries (the
-    handlers PhysicsNeMo and ``init_distributed`` registered), the RNG states and the environment the rank was
-    started with (before any import wrote into it: torch sets its compile cache folder there, inside the temp folder
-    of the kernel that started the rank)."""
-    os.environ.update(rendezvous)
-    devices.limit_rank_threads(threads)  # ranks sharing a machine's cores must not each take all of them (nor compile)
-    state = launch.init_distributed(timeout_s).as_row()
-    if (folder := beacon.engine_status_folder()) is not None:  # what the kernel's rank panel reads
-        beacon.start(folder, state["rank"], state["device"])
-    if not _SERIES_STATE:
-        import torch
-        from physicsnemo.domain_parallel import ShardTensor
-
-        _SERIES_STATE["registries"] = registry_snapshot()
-        _SERIES_STATE["_enable_shard_patches"] = getattr(ShardTensor, "_enable_shard_patches", None)
-        _SERIES_STATE["rng"] = torch.random.get_rng_state()
-        _SERIES_STATE["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        _SERIES_STATE["environ"] = forkchild.started_environment()  # a forked rank's: its launcher's
-    return state
-
-
-def reset_rank(rendezvous: dict[str, str], timeout_s: float, threads: int, environment: dict[str, str]) -> dict:
-    """What a claimed rank runs (after ``%reset -f`` emptied its namespace): tear down every process group, forget
-    meshes and compiled graphs, go back to the series' own handlers, a new rank's RNG and the environment the rank
-    was started with, take the claiming kernel's ``environment`` (its temp folder), give memory back, then
-    initialise as a fresh rank does."""
-    import torch
-    from physicsnemo.domain_parallel import ShardTensor
-
-    t0 = time.perf_counter()
-    tear_down_groups()  # park_rank did; again, so that a reset never depends on how its rank was parked
-    if "torch._dynamo" in sys.modules:  # never imported: nothing was compiled (importing it takes seconds)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-    if "torch._inductor.utils" in sys.modules:
-        torch._inductor.utils.clear_caches()  # e.g. the cache folders it worked out from the old temp folder
-    restore_registry(_SERIES_STATE["registries"])
-    if _SERIES_STATE["_enable_shard_patches"] is not None:
-        ShardTensor._enable_shard_patches = _SERIES_STATE["_enable_shard_patches"]
-    os.environ.clear()
-    os.environ.update(_SERIES_STATE["environ"] | environment)
-    tempfile.tempdir = None  # read TMPDIR again
-    gc.collect()
-    release_freed_memory()
-    reset_s = time.perf_counter() - t0
-    state = init_rank(rendezvous, timeout_s, threads)
-    torch.random.set_rng_state(_SERIES_STATE["rng"])  # what a new rank draws first, it draws again
-    if _SERIES_STATE["cuda_rng"] is not None:
-        torch.cuda.set_rng_state_all(_SERIES_STATE["cuda_rng"])
-    state["phases"] = {"reset to a fresh start's state": reset_s} | {
-        step: seconds for step, seconds in state["phases"].items() if step == "process group"}
-    return state
-
-
-def tear_down_groups() -> None:
-    """Forget every process group and mesh of this rank, and free their communicators."""
-    import torch
-    from physicsnemo.distributed import DistributedManager
-    from torch.distributed.device_mesh import _mesh_resources
-
-    # Destroying a group only forgets it. Aborted, an NCCL group that a notebook kept (in a module, say) raises at its
-    # next use; gloo's (torch 2.14) keeps its connections until the object is freed, which the emptied namespace does
-    # unless something else holds it.
-    for group in list(torch.distributed.distributed_c10d._world.pg_map):
-        try:
-            group.abort()
-        except RuntimeError:  # a backend without abort
-            pass
-    DistributedManager.cleanup(barrier=False)  # destroys the world group and every subgroup made from it
-    _mesh_resources.mesh_stack.clear()
-
-
-def park_rank() -> dict:
-    """What every rank of a cluster being parked runs, after ``%reset -f`` emptied its namespace: give back what a
-    rank that waits for the next notebook need not hold. Its process groups go (an NCCL communicator holds GPU
-    buffers for its peers), then cycles are collected and freed memory returned (``release_freed_memory``).
-
-    What stays, and why: the CUDA context (some hundreds of MiB on each GPU: torch keeps the primary context for the
-    life of the process and has no call that destroys it while its streams, handles and allocator refer to it;
-    with the loaded libraries and imported modules, it is what a warm rank saves the next notebook), and compiled
-    graphs until the claim's reset. Returns the bytes of GPU memory torch still reserves (0 without a GPU)."""
-    import torch
-
-    tear_down_groups()
-    gc.collect()
-    release_freed_memory()
-    return {"cuda_reserved": torch.cuda.memory_reserved() if torch.cuda.is_available() else 0}
-
-
-def release_freed_memory() -> None:
-    """Give freed memory back to the system: glibc keeps freed heap pages unless trimmed; CUDA's caching allocator
-    keeps freed blocks unless emptied."""
-    import ctypes
-    import ctypes.util
-
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # cuBLAS keeps a workspace per handle and stream
-            torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
-    if (libc := ctypes.util.find_library("c")) and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+    warden.handed_over(marker.with_name(marker.name.removesuffix(PARKED) + ".json"), owned.identity())  # not ownerless
 
 
 def kernel_environment() -> dict[str, str]:
@@ -358,7 +222,7 @@ def run(command: list[str], idle_s: float) -> int:
     terminal what was stopped (``stopped_message``). ``idle_s`` 0: no pool, keeping warm is off."""
     if idle_s <= 0:
         return subprocess.call(command)
-    pool = Pool.create(f"{procs.origin()}/warm", idle_s)
+    pool = Pool.create(f"{owned.origin()}/warm", idle_s)
     child = subprocess.Popen(command, env=os.environ | {POOL: str(pool.folder)})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches JupyterLab, which asks and exits; then we clean
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())

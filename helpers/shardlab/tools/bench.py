@@ -80,14 +80,14 @@ def _job(launcher: str, n: int, name: str, device: str):
 def run(n: int | None = None) -> list[dict]:
     """The rows, on ``n`` ranks (default: one per GPU, an even count: the workload's mesh has domain groups of 2;
     4 CPU ranks without two GPUs)."""
-    from ..ranks.cluster import MPICluster  # here: the ranks of a --job import only what the same work needs
+    from ..ranks.cluster import RankCluster  # here: the ranks of a --job import only what the same work needs
 
     rows = []
     gpus = visible_gpus()
     n = n or default_ranks(gpus)
     device = place_ranks(n, gpus).device  # the cluster and both jobs alike
     same_work_s, phases = _job("openmpi", n, "same-work", device)
-    with MPICluster(n=n, device=device) as cluster:
+    with RankCluster(n=n, device=device) as cluster:
         start_s = cluster.start_seconds
         cluster_phases = cluster.timings
         rank_phases = {k: max(s["phases"][k] for s in cluster.states) for k in cluster.states[0]["phases"]}

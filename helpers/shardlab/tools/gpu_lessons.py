@@ -80,10 +80,10 @@ def judge_timeline(report: dict, label: str) -> tuple[str, bool]:
 def run_flight_record(ranks: int, collective_timeout_s: float, timeout_s: float) -> tuple[str, bool]:
     """``ranks`` engines; the last is held back from an all-reduce the others enter. After the cell fails, each
     rank's record is read (no collective) and compared."""
-    from ..ranks.cluster import MPICluster
+    from ..ranks.cluster import RankCluster
 
     t0 = time.monotonic()
-    with MPICluster(n=ranks, timeout_s=collective_timeout_s, start_timeout_s=timeout_s) as cluster:
+    with RankCluster(n=ranks, timeout_s=collective_timeout_s, start_timeout_s=timeout_s) as cluster:
         left = lambda: max(timeout_s - (time.monotonic() - t0), 1)  # noqa: E731
         try:
             cluster.run(HELD_BACK, timeout_s=left(), what="fail the collective the last rank skips")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..plan import gpu_check as plan_gpu_check
-from ..ranks import procs
+from ..ranks import owned, subprocesses
 from ..ranks.devices import place_ranks, unusable_gpus, visible_gpus
 from ..ranks.launch import clean_environment, run_job
 from ..ranks.px import rank_errors, summarize_rank_errors
@@ -59,8 +59,8 @@ NOTEBOOK_MARGIN = 2
 
 class Stopped(BaseException):
     """Raised in the main thread at the run's deadline (SIGALRM), or on SIGTERM or SIGINT. Not an Exception, so that
-    no ``except Exception`` on the way swallows it: every ``with`` block and ``procs.run_process_group`` it unwinds
-    through stops what it started."""
+    no ``except Exception`` on the way swallows it: every ``with`` block and ``subprocesses.run_process_group`` it
+    unwinds through stops what it started."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -189,7 +189,7 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
                f"--nbmake-timeout={budget}", "-o", "addopts=", str(notebook)]
         env = clean_environment(SHARDLAB_RANKS=str(row["ranks"]))
-        proc = procs.run_process_group(cmd, env, budget, f"pytest --nbmake {notebook.name}")
+        proc = subprocesses.run_process_group(cmd, env, budget, f"pytest --nbmake {notebook.name}")
         summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
         return f"{notebook.name} on {row['on']}: {summary}", proc.returncode == 0
     if name == "loading-memory":
@@ -240,9 +240,9 @@ def run_row(row: dict, gpus: int) -> tuple[str, bool]:
 def skipped_collective(timeout_s: float) -> tuple[str, bool]:
     """Two CUDA engines; rank 1 skips a collective rank 0 enters: the cell must fail within the collective timeout
     (plus the watchdog's reaction), naming rank 1 as the one that never arrived."""
-    from ..ranks.cluster import MPICluster
+    from ..ranks.cluster import RankCluster
 
-    with MPICluster(n=2, timeout_s=COLLECTIVE_TIMEOUT_S, start_timeout_s=timeout_s) as cluster:
+    with RankCluster(n=2, timeout_s=COLLECTIVE_TIMEOUT_S, start_timeout_s=timeout_s) as cluster:
         t0 = time.monotonic()
         try:
             cluster.run(SKIPPED_COLLECTIVE, timeout_s=timeout_s, what="fail the skipped collective")
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     print(f"# shardlab gpu-check, {time.strftime('%Y-%m-%d')}, {gpus} GPU(s)")
     handlers = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with procs.own_origin("gpucheck"):  # what the rows start: stopped at the end, and nothing else
+        with owned.own_origin("gpucheck"):  # what the rows start: stopped at the end, and nothing else
             rows = checks(gpus, json_file, args.deadline_s)
     except Stopped as stopped:
         print(f"gpu-check: stopped by {stopped}; the processes it started are stopped too.", file=sys.stderr)

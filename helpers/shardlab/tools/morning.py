@@ -22,7 +22,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from ..ranks import procs
+from ..ranks import owned, subprocesses
 
 CHECKOUT = Path(__file__).resolve().parents[3]  # helpers/shardlab/tools/morning.py in a checkout of the repository
 KERNEL = "shardlab"
@@ -275,18 +275,18 @@ def child(args: list[str], limit_s: float, what: str) -> Result:
     (then it and all it started are stopped, and the Result names ``what`` it waited for): the Result it wrote. Its
     output goes to a file, never to a pipe, which a rank that outlived it would hold open."""
     step = args[1] if args[0] == "notebook" else args[0]
-    own = f"{procs.origin()}/{step}-{uuid.uuid4().hex[:8]}"
+    own = f"{owned.origin()}/{step}-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="shardlab-morning-", ignore_cleanup_errors=True) as folder:
         cmd = [sys.executable, "-m", "shardlab.tools.morning", "--step", *args, "--out", folder]
         try:
-            proc = procs.run_process_group(cmd, os.environ | {procs.ORIGIN: own}, limit_s, what, capture=False,
+            proc = subprocesses.run_process_group(cmd, os.environ | {owned.ORIGIN: own}, limit_s, what, capture=False,
                                            grace_s=10)
         except TimeoutError:
             return Result(step, FAILED, f"still {what} after {limit_s:.0f} s", [
                 f"{what} did not finish within {limit_s:.0f} s, so it was stopped: run it alone "
                 f"(`python -m shardlab.tools.morning --step {' '.join(args)}`) to see where it waits"])
         finally:
-            procs.stop(procs.leftover_processes(own))
+            owned.stop(owned.leftover_processes(own))
         try:
             return Result(**json.loads((Path(folder) / "result.json").read_text()))
         except (OSError, ValueError, TypeError):
@@ -349,7 +349,7 @@ def run_one_step(step: list[str], out: Path | None) -> int:
         result = (step_notebook(Path(step[1]), float(step[2])) if kind == "notebook"
                   else step_imports() if kind == "imports" else step_gpu())
     finally:
-        procs.stop(procs.leftover_processes())  # a failed notebook's kernel and ranks
+        owned.stop(owned.leftover_processes())  # a failed notebook's kernel and ranks
     if out is not None:
         (out / "result.json").write_text(json.dumps(result.__dict__))
     print(json.dumps(result.__dict__), flush=True)
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
           f"{args.deadline_s:.0f} s")
     handler = signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        with procs.own_origin("morning"):  # what the steps start: stopped at the end, and nothing else
+        with owned.own_origin("morning"):  # what the steps start: stopped at the end, and nothing else
             results = run_steps(runs, args.deadline_s)
     except KeyboardInterrupt:
         print("morning check: interrupted; the processes it started are stopped too.", file=sys.stderr)

