@@ -115,7 +115,7 @@ endef
 
 # The folder `make lab` opens; `make lab LAB_DIR=build/handout` opens the learners' handout instead (what
 # `make handout` writes; `make lab-handout` builds it, then opens it), where a failed exercise check says so and lets
-# Run All go on (SHARDLAB_CHECKS=report; shardlab/check.py).
+# Run All go on (SHARDLAB_CHECKS=report; shardlab/exercises/judging.py).
 # In a learner's kit (`make learner-kit`: no notebooks/, the handout in build/handout/) `make lab` opens the handout.
 HANDOUT_DIR := build/handout
 LAB_DIR ?= $(if $(wildcard notebooks/00_setup.ipynb),notebooks,$(HANDOUT_DIR))

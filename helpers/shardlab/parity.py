@@ -144,7 +144,7 @@ def _outputs(out) -> list:
 
 
 def _loss(case: Case, out):
-    from .audit import mean_square
+    from .measure.audit import mean_square
 
     if case.loss is not None:
         return case.loss(out)
@@ -200,7 +200,7 @@ def parity_at(case: Case, size: int, mesh, dtype) -> dict:
     the output and of any parameter's gradient (the worst named), and whether the split was even."""
     import torch
 
-    from .measure import relative_error
+    from .measure.memory import relative_error
 
     whole, model, inner = _prepared(case, size, mesh, dtype)
     domain = mesh["domain"].size()
@@ -225,10 +225,10 @@ def parity_at(case: Case, size: int, mesh, dtype) -> dict:
 
 
 def audit_at(case: Case, size: int, mesh, dtype) -> dict:
-    """On every rank together: ``sl.audit`` of ``case``'s distributed model at ``size`` (what ``check`` and the port's
-    job run): its findings, the ops without a handler (each with how to register one), the bytes handed to
+    """On every rank together: ``sl.measure.audit`` of ``case``'s distributed model at ``size`` (what ``check`` and the
+    port's job run): its findings, the ops without a handler (each with how to register one), the bytes handed to
     collectives per phase, and each spatial table's bytes on this rank."""
-    from .audit import audit_model
+    from .measure.audit import audit_model
 
     whole, model, inner = _prepared(case, size, mesh, dtype)
     inputs = _scattered(case, whole, mesh)
@@ -260,7 +260,7 @@ def _keywords(model, names):
 def _peak_at(case: Case, size: int, mesh, dtype) -> int | None:
     from physicsnemo.distributed import DistributedManager
 
-    from .measure import AllocatorPeak
+    from .measure.memory import AllocatorPeak
 
     whole, model, inner = _prepared(case, size, mesh, dtype)
     inputs = _scattered(case, whole, mesh)
@@ -277,7 +277,7 @@ def attempt(label: str, step, *args) -> dict:
     also prints: when ranks raise at different places, one may already wait in a collective another never enters."""
     import torch.distributed as dist
 
-    from .audit import _raised_where
+    from .measure.audit import _raised_where
 
     try:
         result = step(*args)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import shardlab as sl
-from shardlab.gpu_record import RECORD, gpu_status
 from shardlab.ranks import subprocesses
 from shardlab.tools import gpucheck
+from shardlab.tools.gpu_record import RECORD, gpu_status
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the gpu-marked test runs instead")

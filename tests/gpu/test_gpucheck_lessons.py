@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from marked import marked_processes
-from shardlab import flight, parity
-from shardlab.measure import timeline
+from shardlab import parity
+from shardlab.measure import flight, timeline
 from shardlab.ranks import launch, subprocesses
 from shardlab.tools import gpu_lessons, gpucheck, time_model
 

@@ -1,6 +1,6 @@
-"""``sl.audit.audit_model`` on real ranks: what it counts per module is what the model's shapes say it must be, the rows
-add up to what the ranks really sent, Transolver audits clean, and each thing the audit looks for is found where it
-is. One job of 4 CPU ranks: the ranks audit on pairs (N = 2, two pairs side by side) and all together (N = 4).
+"""``sl.measure.audit.audit_model`` on real ranks: what it counts per module is what the model's shapes say it must be,
+the rows add up to what the ranks really sent, Transolver audits clean, and each thing the audit looks for is found
+where it is. One job of 4 CPU ranks: the ranks audit on pairs (N = 2, two pairs side by side) and all together (N = 4).
 
     .venv/bin/python -m pytest tests/multirank/test_audit.py -q -p no:randomly
 """
@@ -60,7 +60,7 @@ def transolver(n):
     g = torch.Generator().manual_seed(1)
     fx, pos = torch.randn(1, POINTS, 1, generator=g).double(), torch.rand(1, POINTS, 2, generator=g).double()
     inputs = [scatter(t, meshes[n], Shard(1)) for t in (fx, pos)]
-    result = sl.audit.audit_model(model, *inputs)
+    result = sl.measure.audit.audit_model(model, *inputs)
     sent = []  # everything the ranks sent, recorded apart from the audit's attribution
     with collective_recorder(sent.append, see_inside_subclasses=True):
         model(*inputs).square().mean().backward()
@@ -72,14 +72,14 @@ def transolver(n):
 def conv(n):
     model = seeded(lambda: nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 1, 3, padding=1)))
     field = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(2)).double()
-    result = sl.audit.audit_model(model, scatter(field, meshes[n], Shard(2)))
+    result = sl.measure.audit.audit_model(model, scatter(field, meshes[n], Shard(2)))
     return seen(result, gap=gap(result.output, model(field)), parameter_bytes=parameter_bytes(model))
 
 
 def fno(n):
     model = sl.models.fno(channels=8, layers=2, modes=4).double()
     field = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(3)).double()
-    result = sl.audit.audit_model(model, scatter(field, meshes[n], Shard(2)))
+    result = sl.measure.audit.audit_model(model, scatter(field, meshes[n], Shard(2)))
     return seen(result, gap=gap(result.output, model(field)))
 
 
@@ -93,7 +93,7 @@ class Gathers(nn.Module):
 def gathers(n):
     model = seeded(lambda: nn.Sequential(nn.Linear(2, 4), Gathers(), nn.Linear(4, 1)))
     points = torch.randn(1, 32, 2, generator=torch.Generator().manual_seed(4)).double()
-    result = sl.audit.audit_model(model, scatter(points, meshes[n], Shard(1)))
+    result = sl.measure.audit.audit_model(model, scatter(points, meshes[n], Shard(1)))
     return seen(result, gap=gap(result.output, model(points)))
 
 

@@ -1,7 +1,7 @@
 """torch's Flight Recorder on gloo ranks (on by default; sl.init_distributed only shrinks it): after a rank skipped a
 collective and the others timed out in it, each rank's record (read without a collective: the group is broken) says
-who waited in which collective for whom, and torch's own analyzer, reading ``sl.flight.dump``'s files, names the same
-rank (notebook 14). Also what says when torch changes what the recorder holds.
+who waited in which collective for whom, and torch's own analyzer, reading ``sl.measure.flight.dump``'s files, names the
+same rank (notebook 14). Also what says when torch changes what the recorder holds.
 
     .venv/bin/python -m pytest tests/multirank/test_flight_recorder.py -q -p no:randomly
 """
@@ -13,7 +13,7 @@ from torch.distributed.flight_recorder.components.builder import build_db
 from torch.distributed.flight_recorder.components.config_manager import JobConfig
 from torch.distributed.flight_recorder.components.loader import read_dir
 
-from shardlab.flight import Entered, waits
+from shardlab.measure.flight import Entered, waits
 from shardlab.ranks.launch import run_job
 
 ON_RANKS = r'''
@@ -37,9 +37,9 @@ try:
 except RuntimeError as error:
     print(f"rank {me} timed out: {str(error)[-80:]}")
 with open(f"{sys.argv[1]}/rank-{me}.json", "w") as out:
-    json.dump([dataclasses.asdict(e) for e in sl.flight.entered()], out)
+    json.dump([dataclasses.asdict(e) for e in sl.measure.flight.entered()], out)
 with open(f"{sys.argv[1]}/flight/rank_{me}", "wb") as out:
-    out.write(sl.flight.dump())
+    out.write(sl.measure.flight.dump())
 '''
 
 UNSET = r'''
@@ -56,7 +56,7 @@ dist.init_process_group("gloo")  # not sl.init_distributed: nothing sets the buf
 x = torch.ones(2)
 dist.all_reduce(x)
 dist.broadcast(x, 0)
-ops = [e.op for e in sl.flight.entered(since_ns=0)]
+ops = [e.op for e in sl.measure.flight.entered(since_ns=0)]
 assert ops == ["all_reduce", "broadcast"], ops
 dist.destroy_process_group()
 '''

@@ -1,6 +1,6 @@
 """The judges of notebooks 02, 03, 04 and 06 draw their cases for each check: the notebook's own solution passes every
 draw, and each answer fitted to the cases the judges used to try (right there, a plausible shortcut elsewhere) fails
-every draw. Runs the judges on 4 CPU ranks, as ``sl.check.on_ranks`` runs them on a cluster's engines:
+every draw. Runs the judges on 4 CPU ranks, as ``sl.exercises.on_ranks`` runs them on a cluster's engines:
 
     .venv/bin/python -m pytest tests/multirank/test_judges_draw.py -q -p no:cacheprovider
 """
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import shardlab as sl
-from shardlab.check import _judge_here
+from shardlab.exercises.judging import _judge_here
 from shardlab.exercises import nb02, nb03, nb04, nb06
 
 sl.init_distributed(120)
@@ -236,7 +236,7 @@ CASES = {
     "06 counts_graphs": (nb06.counts_graphs, (count_graphs, fitted_count_graphs), mesh),
     "06 compiles_once": (nb06.compiles_once, (compile_once, fitted_compile_once, padded_compile_once), mesh),
 }
-seen = {"a draw": sl.check.case_generator().random()}
+seen = {"a draw": sl.exercises.case_generator().random()}
 for name, (judge, answers, *objects) in CASES.items():
     for kind, answer in zip(["solution"] + [f"fitted {i}" for i in range(len(answers) - 1)], answers):
         seen[f"{name} {kind}"] = [_judge_here(judge, answer, *objects) for _ in range(DRAWS)]

@@ -63,7 +63,7 @@ def fsdp2_grads_by_hand(shards, template, x, y, group):
 
 
 def verdict(judge, answer, seed=None):
-    try:  # as sl.check.on_ranks does: an answer that breaks the judge is a wrong answer
+    try:  # as sl.exercises.on_ranks does: an answer that breaks the judge is a wrong answer
         return judge(answer, mesh, None if seed is None else random.Random(seed))
     except Exception as error:
         return f"raised {type(error).__name__}"

@@ -1,4 +1,4 @@
-"""Notebook 12's judges on 4 CPU ranks, as ``sl.check.on_ranks`` runs them on a cluster's engines. Exercise 2 has no
+"""Notebook 12's judges on 4 CPU ranks, as ``sl.exercises.on_ranks`` runs them on a cluster's engines. Exercise 2 has no
 answer key to forbid: torch's ``DistributedSampler`` over the ddp replicas passes, and so do splits by hand (with
 its permutation or another one drawn from the seed and the epoch); the wrong arguments to the same sampler fail every
 draw. Exercise 1's solution passes with the judge's reference scattered from the rank's device.
@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.data import DistributedSampler
 
 import shardlab as sl
-from shardlab.check import _judge_here
+from shardlab.exercises.judging import _judge_here
 from shardlab.exercises import nb12
 
 sl.init_distributed(120)
@@ -82,7 +82,7 @@ def read_rows(array, sample, domain):  # the notebook's solution of exercise 1
     return ShardTensor.from_local(local, domain, [Shard(2)], sharding_shapes={0: shapes})
 
 
-seen = {"a draw": sl.check.case_generator().random()}
+seen = {"a draw": sl.exercises.case_generator().random()}
 for kind, answers in (("right", RIGHT), ("wrong", WRONG)):
     for name, answer in answers.items():
         seen[f"{kind}: {name}"] = [_judge_here(nb12.domain_group_indices, answer, mesh) for _ in range(DRAWS)]

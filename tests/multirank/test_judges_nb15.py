@@ -1,4 +1,4 @@
-"""Notebook 15's judge on 4 CPU ranks, as ``sl.check.on_ranks`` runs it on a cluster's engines: the reference batch
+"""Notebook 15's judge on 4 CPU ranks, as ``sl.exercises.on_ranks`` runs it on a cluster's engines: the reference batch
 norm handler passes every draw, on the judge's own models and splits; each rehearsed wrong answer fails every draw:
 the input gathered first (``full_tensor``, and a redistribution to ``Replicate``), statistics of the rank's own rows,
 the running buffers left as they were, and the answer key (the package's own handler, called).
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from physicsnemo.domain_parallel import ShardTensor
 
 import shardlab as sl
-from shardlab.check import _judge_here
+from shardlab.exercises.judging import _judge_here
 from shardlab.exercises import nb15
 
 sl.init_distributed(120)
@@ -40,7 +40,7 @@ sys.path.insert(0, folder)
 package = importlib.import_module("srresnet_domain")  # the notebook's module: registers its handlers
 mesh = sl.build_mesh(ddp=1, domain=-1)
 domain = mesh["domain"]
-seen = {"a draw": sl.check.case_generator().random()}
+seen = {"a draw": sl.exercises.case_generator().random()}
 for name, source in answers.items():
     space = {"torch": torch, "dist": dist, "F": F, "ShardTensor": ShardTensor, "srresnet_domain": package,
              "__name__": "__main__"}  # what the notebook's ranks hold when its answer cell runs

@@ -16,13 +16,13 @@ CELLS = [
     "dist.all_reduce(torch.ones(1))",
     "%%px\nanswer = 3",
     # a judge as the exercises' are: its cases drawn by case_generator, a broadcast over the ranks
-    "def judge(answer):\n    import shardlab as sl\n\n    sl.check.case_generator()\n"
+    "def judge(answer):\n    import shardlab as sl\n\n    sl.exercises.case_generator()\n"
     "    return None if answer == 3 else 'it is not 3'\n\n\n"
-    "sl.check.on_ranks(cluster, judge, 'answer', what='the answer', hint='Count again.')",
+    "sl.exercises.on_ranks(cluster, judge, 'answer', what='the answer', hint='Count again.')",
     "%%px\ndist.all_reduce(torch.ones(1))",
     "cluster.restart()",
     "%%px\nimport torch, torch.distributed as dist\nanswer = 3\ndist.all_reduce(torch.ones(1))",
-    "sl.check.on_ranks(cluster, judge, 'answer', what='the answer', hint='Count again.')",
+    "sl.exercises.on_ranks(cluster, judge, 'answer', what='the answer', hint='Count again.')",
     "cluster.stop()",
 ]
 FAILED, CHECK, LATER, CHECK_AFTER_RESTART = 1, 3, 4, 7
@@ -55,7 +55,7 @@ def test_a_broken_group_is_named_out_of_step_in_a_px_cell_and_in_a_check(no_left
     assert check.startswith("OutOfStep: the answer: not checked. The ranks are out of step: rank(s) "), check
     assert "Why: an earlier %%px cell failed on rank(s) [1] only (ValueError)" in check
     assert "What to do: run cluster.restart()" in check
-    assert "Traceback" not in check and "check.py" not in check  # the message alone
+    assert "Traceback" not in check and "judging.py" not in check  # the message alone
     assert "✗" not in printed and "✓" not in printed and "it is not 3" not in check  # nothing judged
 
     _, later, _ = outcomes[LATER]

@@ -46,8 +46,9 @@ def on(n):
     sharded = scatter_tensor(field, dist.get_global_rank(mesh.get_group(), 0), mesh, (Shard(2),))
     # the coordinate grid on slabs too (sl.workarounds.fno_on_slabs): upstream's, whole on every rank, is a finding
     plain, patched = seeded(), sl.workarounds.fno_on_slabs(sl.models.spectral_layers_on_slabs(seeded()))
-    report = {{"h_local": sharded.to_local().shape[2], "unpatched": audited(sl.audit.audit_model(plain, sharded)),
-               "patched": audited(sl.audit.audit_model(patched, sharded))}}
+    audit_model = sl.measure.audit.audit_model
+    report = {{"h_local": sharded.to_local().shape[2], "unpatched": audited(audit_model(plain, sharded)),
+               "patched": audited(audit_model(patched, sharded))}}
     # A sum, not a mean: ShardTensor's mean over 17 × 16 elements scales every gradient by 1/272 rounded to float32
     # (a relative 2^-28 off), which is not the layer's to fix.
     out = patched(sharded)

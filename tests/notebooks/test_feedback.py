@@ -21,5 +21,5 @@ def test_a_rejected_answer_fails_the_cell_under_nbmake_and_shows_only_its_messag
     out = proc.stdout
     assert proc.returncode == 1 and "1 failed" in out, out[-3000:]
     assert "NotSolved: the number of ranks: got 3, which is not right. Count the engines." in out, out[-3000:]
-    assert "check.py" not in out and "Traceback (most recent call last)" not in out, out[-3000:]
+    assert "judging.py" not in out and "Traceback (most recent call last)" not in out, out[-3000:]
     assert "never reached" not in out.split("NotSolved:")[1]  # the notebook stopped at the failing cell

@@ -3,7 +3,7 @@
 (one of the wrong answers kept with the solution) and ``save_checkpoint`` left blank, each check reports and the
 notebook goes on; the cells after them carry on with the reference answers and say so; training, checkpoint, resume
 on fresh ranks and the one-process baseline pass the notebook's own assertions. In the same kernel
-``sl.check.reveal`` shows the reference ``train_step`` from the handout's folder, and the class view records the
+``sl.exercises.reveal`` shows the reference ``train_step`` from the handout's folder, and the class view records the
 failed try and the reveal. (Under pytest and in the instructor copy a failed check still fails the cell:
 tests/notebooks/test_feedback.py, tests/unit/test_check.py.)"""
 
@@ -15,7 +15,8 @@ import nbformat
 import pytest
 
 from notebook_runner import run_notebook
-from shardlab import check, progress
+from shardlab.exercises import judging as check
+from shardlab.exercises import progress
 from shardlab.tools.handout import SOLUTION_TAG, make_handout, wrong_answers
 
 CAPSTONE = Path(__file__).resolve().parents[2] / "notebooks" / "07_capstone.ipynb"
@@ -42,7 +43,7 @@ def test_a_learner_stuck_on_07s_exercises_still_runs_the_capstone(tmp_path, no_l
     cells = {c.id: c for c in nb.cells}
     assert SOLUTION_TAG in instructor["07-06"].metadata["tags"] and "def train_step(" in instructor["07-06"].source
     cells["07-06"].source = next(w["source"] for w in wrong_answers(instructor["07-06"]) if w["why"] == WRONG_STEP)
-    nb.cells.append(nbformat.v4.new_code_cell('sl.check.reveal("train_step")'))
+    nb.cells.append(nbformat.v4.new_code_cell('sl.exercises.reveal("train_step")'))
     nbformat.write(nb, handout / CAPSTONE.name)
     class_folder = tmp_path / "class"
     class_folder.mkdir()

@@ -1,8 +1,8 @@
-"""``sl.audit``'s arithmetic and wording, on hand-made rows (no ranks): totals, the table, the findings, and which
-dims a ``torch.fft`` call transforms. ``tests/multirank/test_audit.py`` audits real models on ranks."""
+"""``sl.measure.audit``'s arithmetic and wording, on hand-made rows (no ranks): totals, the table, the findings, and
+which dims a ``torch.fft`` call transforms. ``tests/multirank/test_audit.py`` audits real models on ranks."""
 
 
-from shardlab.audit import Audit, format_ops
+from shardlab.measure.audit import Audit, format_ops
 
 
 def module_row(module, forward=None, backward=None, unpatched=(), moves=None, replicated=False, promoted=0, note=""):

@@ -3,7 +3,7 @@ without giving the answer away (the notebooks rehearse every exercise with them:
 
 import pytest
 
-from shardlab import check
+from shardlab.exercises import judging as check
 from shardlab.ranks import px as sl_px
 
 
@@ -149,7 +149,7 @@ from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance(colors="nocolor")
 result = shell.run_cell('''
 import shardlab as sl
-sl.check.judged(lambda value: "it read 1216 bytes, where this rank's rows lie in 320", 3, what="the slab read",
+sl.exercises.judged(lambda value: "it read 1216 bytes, where this rank's rows lie in 320", 3, what="the slab read",
                 hint="Index the array with this rank's rows before converting it.")
 ''')
 print("FAILED WITH", type(result.error_in_exec).__name__)
@@ -157,7 +157,7 @@ print("FAILED WITH", type(result.error_in_exec).__name__)
 
 
 def test_a_wrong_answer_shows_its_message_and_hint_and_none_of_the_judges_code(fresh_python):
-    """In IPython, as in a notebook: one line for the learner, no traceback into check.py; the cell still fails."""
+    """In IPython, as in a notebook: one line for the learner, no traceback into judging.py; the cell still fails."""
     out = fresh_python.run(SHELL_PROBE, timeout_s=60).stdout
     shown = out.split("FAILED WITH")[0].strip().splitlines()
     assert shown == ["NotSolved: the slab read: it read 1216 bytes, where this rank's rows lie in 320. Index the array "
@@ -194,7 +194,7 @@ def test_an_error_that_is_not_about_the_process_group_is_still_the_answers_fault
 
 
 def test_in_the_learners_copy_a_failed_check_says_so_and_lets_run_all_go_on(monkeypatch, capsys):
-    from shardlab import check
+    from shardlab.exercises import judging as check
 
     monkeypatch.setenv(check.CHECKS, "report")
     monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as in a learner's kernel
@@ -207,7 +207,7 @@ def test_in_the_learners_copy_a_failed_check_says_so_and_lets_run_all_go_on(monk
 
 
 def test_under_pytest_and_in_the_instructor_copy_a_failed_check_fails_the_cell(monkeypatch):
-    from shardlab import check
+    from shardlab.exercises import judging as check
 
     monkeypatch.setenv(check.CHECKS, "report")  # pytest is running: nbmake must see the failure
     with pytest.raises(check.NotSolved):
@@ -219,7 +219,8 @@ def test_under_pytest_and_in_the_instructor_copy_a_failed_check_fails_the_cell(m
 
 
 def test_each_check_reports_to_the_class_folder_where_one_is_set_up(monkeypatch, tmp_path):
-    from shardlab import check, progress
+    from shardlab.exercises import judging as check
+    from shardlab.exercises import progress
 
     monkeypatch.setenv(progress.CLASS_DIR, str(tmp_path))
     monkeypatch.setenv("JUPYTERHUB_USER", "ana")

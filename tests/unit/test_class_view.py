@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shardlab import progress
+from shardlab.exercises import progress
 from shardlab.tools import class_view
 
 

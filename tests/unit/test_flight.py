@@ -1,13 +1,13 @@
-"""sl.flight without ranks: where the ranks' records of the collectives they entered part, from records built here
-(notebook 14 reads real ones after a hang; the live panel reads them while the ranks run)."""
+"""sl.measure.flight without ranks: where the ranks' records of the collectives they entered part, from records built
+here (notebook 14 reads real ones after a hang; the live panel reads them while the ranks run)."""
 
 import json
 import pickle
 
 import pytest
 
-from shardlab import flight
-from shardlab.flight import Entered, waits
+from shardlab.measure import flight
+from shardlab.measure.flight import Entered, waits
 
 WORLD, PAIR = (0, 1, 2, 3), (2, 3)
 

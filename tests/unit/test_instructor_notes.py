@@ -48,7 +48,7 @@ def write_notebook(path: Path) -> Path:
                                       {"source": "def double(x):\n    return 4", "why": "a constant typed for x = 2"},
                                       {"source": "def double(x):\n    return twice(x)",
                                        "why": "calls the library it rebuilds: twice"}]}}),
-        nbformat.v4.new_code_cell('sl.check.judged(judge, double, what="double",\n'
+        nbformat.v4.new_code_cell('sl.exercises.judged(judge, double, what="double",\n'
                                   '                hint="Twice " "the input.")'),
         nbformat.v4.new_markdown_cell("**2.** (Discussion) Is 2x the same as x + x?"),
         nbformat.v4.new_markdown_cell("## Problems\n\n1. **First.** One\n   line more.\n2. Second.\n\nDone."),

@@ -37,8 +37,8 @@ def shardlab_imports(path: Path, package: tuple[str, ...] = ()) -> set[str]:
                 module = node.module.split(".")[1:]
             else:
                 continue
-            targets.append(".".join(module))
-            targets += [".".join([*module, alias.name]) for alias in node.names]  # the names may be modules
+            # each name is a unit of its own (from ..measure import flight) or counts as its module's
+            targets += [".".join([*module, alias.name]) for alias in node.names]
         elif isinstance(node, ast.Import):
             targets += [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("shardlab.")]
     return {unit for target in targets if (unit := unit_of(target))}
@@ -47,9 +47,14 @@ def shardlab_imports(path: Path, package: tuple[str, ...] = ()) -> set[str]:
 def unit_files(unit: str) -> list[tuple[Path, tuple[str, ...]]]:
     """The files of a unit, each with the package it sits in."""
     path = PACKAGE.joinpath(*unit.split("."))
-    if path.is_dir():
-        return [(p, tuple(unit.split("."))) for p in path.glob("*.py")]
+    if path.is_dir():  # the package's files that no finer unit claims (measure.audit is not measure's)
+        return [(p, tuple(unit.split("."))) for p in path.glob("*.py") if owner(p) == unit]
     return [(path.with_suffix(".py"), tuple(unit.split(".")[:-1]))]
+
+
+def owner(path: Path) -> str | None:
+    """The unit a file belongs to."""
+    return unit_of(".".join(path.relative_to(PACKAGE).with_suffix("").parts))
 
 
 def module_imports(unit: str) -> set[str]:
@@ -58,17 +63,18 @@ def module_imports(unit: str) -> set[str]:
 
 
 def test_every_module_is_in_a_layer():
-    modules = {unit_of(".".join(p.relative_to(PACKAGE).with_suffix("").parts)) or str(p.relative_to(PACKAGE))
+    modules = {owner(p) or str(p.relative_to(PACKAGE))
                for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.stem != "__init__"}
     modules -= {"ranks/__init__.py", "tools/__init__.py"}  # their modules are the units
     assert modules == set(LAYER_OF), f"put {sorted(modules ^ set(LAYER_OF))} in shardlab.LAYERS"
 
 
 def test_the_package_is_grouped_by_who_uses_it():
-    """Lessons' modules at the top; the machinery behind %%px in ranks/; command-line tools in tools/."""
+    """Lessons' modules at the top; judging in exercises/; observers in measure/; the machinery behind %%px in
+    ranks/; command-line tools in tools/."""
     for unit in LAYER_OF:
         group = unit.split(".")[0] if "." in unit else "top"
-        assert group in ("top", "ranks", "tools"), unit
+        assert group in ("top", "exercises", "measure", "ranks", "tools"), unit
     for unit in (u for u in LAYER_OF if "." in u):  # each loads on first use, as sl.ranks.cluster
         group, name = unit.split(".")
         assert getattr(getattr(shardlab, group), name).__name__ == f"shardlab.{unit}"
@@ -85,11 +91,12 @@ def test_every_import_form_is_seen_even_inside_functions(tmp_path):
     source = tmp_path / "planted.py"
     source.write_text("from ..mesh import build_mesh\nfrom . import owned\nfrom .. import report\n"
                       "import shardlab.plot\n"
-                      "from shardlab.ranks.cluster import RankCluster\nfrom shardlab import check\n"
+                      "from shardlab.ranks.cluster import RankCluster\nfrom shardlab.exercises import judging\n"
                       "from ..tools import smoke\n"
                       "def later():\n    from ..train import train\n    import shardlab.tools.bench as bench\n")
     assert shardlab_imports(source, package=("ranks",)) == {
-        "mesh", "ranks.owned", "report", "plot", "ranks.cluster", "check", "tools.smoke", "train", "tools.bench"}
+        "mesh", "ranks.owned", "report", "plot", "ranks.cluster", "exercises.judging", "tools.smoke", "train",
+        "tools.bench"}
 
 
 def test_no_module_is_over_400_lines():

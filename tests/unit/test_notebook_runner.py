@@ -33,7 +33,8 @@ def test_a_file_left_in_the_temp_folder_is_reported_but_not_the_compile_cache(tm
 
 def test_the_timing_report_names_the_slowest_cells_and_the_time_outside_them(tmp_path):
     path = tmp_path / "stalls.ipynb"
-    cells = ["import shardlab as sl", "%%px\nmeasured = sl.plan.measure_rank(model, mesh)", "x = 1\ny = 2"]
+    cells = ["import shardlab as sl", "%%px\nmeasured = sl.plan.measure_rank(model, mesh)",
+             "x = 1\ny = 2"]
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
     # Cell 1 waited 290 s of which its kernel ran 14 s: the wait was on the client's side of the channels.
     run = NotebookRun(path, cell_seconds={0: 3.0, 1: 290.0, 2: 7.25}, kernel_seconds={0: 2.9, 1: 14.0},

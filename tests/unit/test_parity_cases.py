@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardlab import measure, model_cases, parity
-from shardlab.audit import Audit
+from shardlab.measure.audit import Audit
 from shardlab.tools import models as models_tool
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"

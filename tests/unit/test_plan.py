@@ -16,6 +16,8 @@ import torch
 
 from shardlab import plan, plot
 from shardlab.models import conv_stack
+from shardlab.plan import cli as plan_cli
+from shardlab.plan import validate
 from shardlab.train import Levers
 
 
@@ -147,7 +149,7 @@ def test_command_line_prints_the_table_and_writes_json_for_8192_squared(tmp_path
     # python -m shardlab.plan's entry point, called in this process (test_piping_into_head_... starts the real one).
     out = tmp_path / "plan.json"
     t0 = time.perf_counter()
-    assert plan.main(["--field", "8192x8192", "--domain", "8", "--ddp", "2", "--wrapper", "fsdp2", "--gpu", "80GiB",
+    assert plan_cli.main(["--field", "8192x8192", "--domain", "8", "--ddp", "2", "--wrapper", "fsdp2", "--gpu", "80GiB",
                       "--json", str(out)]) == 0
     seconds = time.perf_counter() - t0
     printed = capsys.readouterr().out
@@ -162,9 +164,9 @@ def test_command_line_prints_the_table_and_writes_json_for_8192_squared(tmp_path
 
 
 def test_command_line_says_what_does_not_fit_and_refuses_a_domain_too_large(capsys):
-    assert plan.main(["--field", "8192x8192", "--channels", "64", "--depth", "6", "--gpu", "80GiB"]) == 0
+    assert plan_cli.main(["--field", "8192x8192", "--channels", "64", "--depth", "6", "--gpu", "80GiB"]) == 0
     assert "does not fit: smallest domain size that fits is 3" in capsys.readouterr().out
-    assert plan.main(["--field", "64x64", "--domain", "100"]) == 2
+    assert plan_cli.main(["--field", "64x64", "--domain", "100"]) == 2
     assert "halo row" in capsys.readouterr().err
 
 
@@ -179,7 +181,7 @@ def test_command_line_says_what_does_not_fit_and_refuses_a_domain_too_large(caps
                                     "how='fsdp2', or autocast=torch.bfloat16"),
 ])
 def test_command_line_bad_input_is_one_line_that_says_what_to_change(args, says, tmp_path, capsys):
-    assert plan.main(["--field", "64x64", *[a.format(tmp=tmp_path) for a in args]]) == 2
+    assert plan_cli.main(["--field", "64x64", *[a.format(tmp=tmp_path) for a in args]]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []  # nothing written
@@ -187,7 +189,7 @@ def test_command_line_bad_input_is_one_line_that_says_what_to_change(args, says,
 
 @pytest.mark.parametrize("gpu, gib", [("80GB", "74.5"), ("80GiB", "80.0"), ("H100", "79.6"), ("H200", "140.4")])
 def test_the_verdict_names_the_capacity_it_used_in_gib(gpu, gib, capsys):
-    assert plan.main(["--field", "64x64", "--gpu", gpu]) == 0
+    assert plan_cli.main(["--field", "64x64", "--gpu", gpu]) == 0
     assert f"verdict on {gib} GiB GPUs (--gpu {gpu}): fits with" in capsys.readouterr().out
 
 
@@ -221,7 +223,7 @@ def test_command_line_plans_with_the_levers_on(capsys):
     totals = {}
     for name, flags in (("baseline", []), ("checkpoint + param_dtype bf16 + no reshard after forward",
                                           ["--checkpoint", "--param-dtype", "bfloat16", "--no-reshard-after-forward"])):
-        assert plan.main([*base, *flags]) == 0
+        assert plan_cli.main([*base, *flags]) == 0
         out = capsys.readouterr().out
         assert f"; levers: {name}\n" in out
         totals[name] = out
@@ -352,20 +354,20 @@ def test_gpu_check_judges_every_rank_of_the_peak_configurations(monkeypatch, gpu
     """The GPU count simulated: the job's measurement is made from the planner's own peaks, scaled by ``factor``."""
     from types import SimpleNamespace
 
-    cases = plan.peak_cases(gpus, scale=16)
+    cases = validate.peak_cases(gpus, scale=16)
     assert len(cases) >= 8 and cases[0]["field"] == [1, 1, 64 * 16, 64 * 16]
     assert {c["domain"] for c in cases} == ({1, 2} if gpus == 2 else {1})
 
     def fake_job(n, job_cases, timeout_s):
         assert n == gpus and job_cases == cases
         measured = [case | {"ranks": [r.as_dict() | {"peak": round(r.peak / factor)} for r in
-                                      plan.predict_case(case, "cuda").rows]} for case in job_cases]
+                                      validate.predict_case(case, "cuda").rows]} for case in job_cases]
         label = f"{n} {'CUDA' if device == 'cuda' else 'CPU'} rank(s)"
         return SimpleNamespace(result={"world_size": n, "backend": "nccl", "device": f"{device}:0",
                                        "cases": measured}, placement=SimpleNamespace(device=device, label=label))
 
-    monkeypatch.setattr(plan.live, "measure_on_ranks", fake_job)
-    result, passed = plan.gpu_check(gpus)
+    monkeypatch.setattr(plan.validate, "measure_on_ranks", fake_job)
+    result, passed = validate.gpu_check(gpus)
     assert passed == ok, result
     if device == "cuda":
         assert result.count("max_memory_allocated") == len(cases) and f"worst rank {factor - 1:+.1%}"[:12] in result

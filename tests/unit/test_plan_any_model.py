@@ -8,6 +8,7 @@ import math
 import pytest
 
 from shardlab import model_cases, plan
+from shardlab.plan import cli as plan_cli
 from shardlab.plan.cases import METHOD, CasePlanner
 
 PER_POINT, FIXED = 600, 400_000  # the synthetic step: bytes above the state per point of a rank, and the rest
@@ -116,13 +117,13 @@ def test_checkpointing_a_case_is_refused_with_what_to_do():
 def test_command_line_plans_a_case_from_a_stored_calibration(tmp_path, capsys):
     stored = tmp_path / "calibration.json"
     stored.write_text(json.dumps(synthetic(model_cases.transolver)))
-    code = plan.main(["--case", "shardlab.model_cases:transolver", "--size", "10000000", "--domain", "8",
+    code = plan_cli.main(["--case", "shardlab.model_cases:transolver", "--size", "10000000", "--domain", "8",
                       "--gpu", "H100", "--calibration", str(stored)])
     out = capsys.readouterr().out
     assert code == 0 and METHOD in out and "verdict on" in out
-    assert plan.main(["--case", "shardlab.model_cases:nothing", "--size", "10"]) == 2
+    assert plan_cli.main(["--case", "shardlab.model_cases:nothing", "--size", "10"]) == 2
     assert "give a parity case as module:name" in capsys.readouterr().err
-    assert plan.main(["--case", "shardlab.model_cases:transolver", "--calibration", str(stored)]) == 2
+    assert plan_cli.main(["--case", "shardlab.model_cases:transolver", "--calibration", str(stored)]) == 2
     assert "--case needs --size" in capsys.readouterr().err
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from shardlab import plan
 from shardlab.models import conv_stack
+from shardlab.plan import cli as plan_cli
 from shardlab.plan.trace import blocks
 
 FLOAT = 4  # bytes of a float32
@@ -90,15 +91,15 @@ def test_the_refusals_name_the_loading_and_the_full_field_one_suggests_slab():
 def test_command_line_plans_slab_loading(tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = ["--field", FLIP["field"], "--domain", str(FLIP["domain"]), "--gpu", FLIP["gpu"]]
-    assert plan.main([*args, "--loading", "slab", "--json", str(out)]) == 0
+    assert plan_cli.main([*args, "--loading", "slab", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "loading: slab (each rank reads its own rows" in printed and "(slab loading)" in printed
     report = json.loads(out.read_text())
     assert report["loading"] == "slab" and report["verdict"]["fits"] and report["verdict"]["loading"] == "slab"
     assert all(row["transient"] == 0 for row in report["rows"])
-    assert plan.main(args) == 0  # scatter, the default
+    assert plan_cli.main(args) == 0  # scatter, the default
     printed = capsys.readouterr().out
     assert "loading: scatter (scatter_tensor" in printed and "--loading slab" in printed and "does not fit" in printed
     with pytest.raises(SystemExit) as refused:
-        plan.main([*args, "--loading", "stream"])
+        plan_cli.main([*args, "--loading", "stream"])
     assert refused.value.code == 2 and "invalid choice: 'stream'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardlab.gpu_record import gpu_status
+from shardlab.tools.gpu_record import gpu_status
 from shardlab.tools.smoke import main as smoke_main
 
 

@@ -1,6 +1,6 @@
 """A learner who is stuck: a second, more specific hint after a failed try of an exercise, then the call that reveals
-its reference answer; ``sl.check.reveal`` shows it, in the instructor copy and in a built handout, and the class view
-records it; ``sl.check.yours_or_reference`` gives later cells the reference answer in the learners' copy only.
+its reference answer; ``sl.exercises.reveal`` shows it, in the instructor copy and in a built handout, and the class
+view records it; ``sl.exercises.yours_or_reference`` gives later cells the reference answer in the learners' copy only.
 (07 carried through on the reference answers, in a kernel: tests/notebooks/test_stuck_learner_07.py.)"""
 
 import ast
@@ -12,7 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from shardlab import answers, check, progress
+from shardlab.exercises import answers, progress
+from shardlab.exercises import judging as check
 from shardlab.tools import class_view
 from shardlab.tools.handout import make_handout
 
@@ -67,7 +68,7 @@ def test_the_second_hint_comes_after_a_failed_try_and_the_reveal_after_two():
         with pytest.raises(check.NotSolved) as failed:
             check.judged(judge, count_ranks, what="a function", hint="Count.")
     assert str(failed.value).splitlines()[-1] == (
-        "Still stuck? sl.check.reveal('count_ranks') shows the reference answer.")
+        "Still stuck? sl.exercises.reveal('count_ranks') shows the reference answer.")
 
 
 def test_on_ranks_counts_tries_by_the_answers_name(capsys):
@@ -101,7 +102,7 @@ def _check_cells():
         for i, cell in enumerate(cells):
             if answers.SOLUTION_TAG in cell.metadata.get("tags", []):
                 calls = [n for n in ast.walk(ast.parse(cells[i + 1].source)) if isinstance(n, ast.Call)
-                         and ast.unparse(n.func) in ("sl.check.on_ranks", "sl.check.judged")]
+                         and ast.unparse(n.func) in ("sl.exercises.on_ranks", "sl.exercises.judged")]
                 assert len(calls) == 1, f"{path.name} cell {i + 1}: one check call"
                 found.append((path, cell, calls[0]))
     return found
@@ -109,7 +110,7 @@ def _check_cells():
 
 def _judge_and_answer(call) -> tuple:
     """The judge a check call names, and the name of the answer it checks (the one reveal() takes)."""
-    on_ranks = ast.unparse(call.func) == "sl.check.on_ranks"
+    on_ranks = ast.unparse(call.func) == "sl.exercises.on_ranks"
     judge_name = ast.unparse(call.args[1 if on_ranks else 0])
     module, name = re.fullmatch(r"sl\.exercises\.(nb\d\d)\.(\w+)", judge_name).groups()
     judge = getattr(importlib.import_module(f"shardlab.exercises.{module}"), name)

@@ -255,7 +255,7 @@ def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allo
         """
         import json, torch
         from torch.profiler import ProfilerActivity, profile
-        from shardlab.workarounds import cpu_allocator_changes
+        from shardlab.measure.allocations import cpu_allocator_changes
 
         size = 64 * 2**20  # mapped on its own: freed and allocated again, it comes back at the same address
         for _ in range(10):
@@ -284,7 +284,7 @@ def test_the_cpu_memory_reporter_still_reports_frees_of_blocks_it_never_saw_allo
     assert seen["counted"] == [40, -40]  # the workaround counts what the run allocated and freed, nothing else
     assert -64 * 2**20 in seen["reported"], (
         "torch's profiler no longer reports the free of a block it never saw allocated: delete "
-        "workarounds.cpu_allocator_changes (and this test) and read the '[memory]' events directly")
+        "measure.allocations.cpu_allocator_changes (and this test) and read the '[memory]' events directly")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the boot time is read from /proc/stat on Linux")

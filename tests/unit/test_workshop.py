@@ -36,7 +36,7 @@ def test_every_notebook_from_01_has_checked_exercises():
             continue
         assert len(pairs) >= (2 if CORE[0] <= path.name[:2] <= CORE[1] else 1), path.name
         for _, check_index in pairs:
-            assert "sl.check." in nb.cells[check_index].source, f"{path.name}: cell {check_index} checks nothing"
+            assert "sl.exercises." in nb.cells[check_index].source, f"{path.name}: cell {check_index} checks nothing"
 
 
 HEADER = "# Your code here: replace each ... with your answer."
@@ -66,7 +66,7 @@ def test_a_function_keeps_its_signature_and_docstring_and_nothing_of_its_body():
 
 
 def test_a_blank_function_is_not_answered_yet_and_an_answer_is(monkeypatch):
-    from shardlab import check
+    from shardlab.exercises import judging as check
 
     namespace = {}
     exec(blank_source('def f(x):\n    """Doc."""\n    return x + 1'), namespace)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ..check import case_generator, second_hint
 from ..ranks.launch import LaunchError, detect_launch
+from .judging import case_generator, second_hint
 
 
 def torchrun_jobs(draw: random.Random) -> list[tuple[int, int, int]]:

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..check import Watch, case_generator, second_hint
 from ..ranks.launch import default_device
+from .judging import Watch, case_generator, second_hint
 
 MESH_GROUPS = "the mesh's own groups, which this exercise builds by hand"
 

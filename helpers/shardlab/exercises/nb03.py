@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, case_generator, earlier_object, second_hint
 from ..ranks.launch import default_device
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 
 def _shard_tensor():
@@ -285,7 +285,7 @@ def kept_after_scatter(predict, mesh) -> str | None:
     ``sl.measure.held_bytes`` inside the call fails: it is the library doing the prediction."""
     from physicsnemo.domain_parallel import scatter_tensor
 
-    from ..measure import held_bytes
+    from ..measure.memory import held_bytes
 
     if not callable(predict):
         return f"kept_elements is a {type(predict).__name__}: define a function kept_elements(shape, n, k)"

@@ -5,7 +5,7 @@ against the ShardTensor convolution.
 Every answer is a function, called on fields and splits of the judge's own (uneven, other kernels), with what is
 right worked out from what the judge built or from the library's own result, computed outside the judged call.
 Each call is watched: which collectives ran, over which ranks, with how many bytes, and whether the library code an
-exercise rebuilds ran. The judges call collectives: every rank runs them together, as ``sl.check.on_ranks`` does.
+exercise rebuilds ran. The judges call collectives: every rank runs them together, as ``sl.exercises.on_ranks`` does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..check import Watch, case_generator, earlier_object, second_hint
-from ..measure import strict_fp32
+from ..measure.memory import strict_fp32
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 SMALL = 64  # bytes: a resolved mean moves a number or two, never rows of the field
 

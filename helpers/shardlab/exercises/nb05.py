@@ -6,7 +6,7 @@ Both answers are functions, called on models and samples the notebook never used
 weights' seed, the width and depth, the sample): the judges build their own answer key (a model wrapped by
 ``sl.train.wrap`` and stepped outside the judged call) and watch the call: the collectives it runs, over which ranks
 and with how many bytes, and the library functions it may not use. They run collectives: every rank runs them
-together, as ``sl.check.on_ranks`` does.
+together, as ``sl.exercises.on_ranks`` does.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import random
 import torch
 import torch.distributed as dist
 
-from ..check import Watch, case_generator, earlier_object, second_hint
 from ..data import normalized_darcy
-from ..measure import strict_fp32
+from ..measure.memory import strict_fp32
 from ..models import conv_stack
 from ..ranks.launch import default_device
 from ..train import wrap
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 
 def judged_shape(draw: random.Random, ddp_size: int) -> dict:

@@ -14,9 +14,9 @@ import functools
 
 import torch
 
-from ..check import Watch, case_generator, earlier_object, second_hint
 from ..mesh import shard_bounds
 from ..ranks.launch import default_device
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 # Tiny steps the judge's functions are drawn from (what the message says, the step); all trace into one graph.
 MATH = {"sin": torch.sin, "cos": torch.cos, "tanh": torch.tanh, "gelu": torch.nn.functional.gelu,

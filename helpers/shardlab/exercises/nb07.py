@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from .. import data, train
-from ..check import Watch, case_generator, second_hint
 from ..mesh import MESH_AXES
 from ..models import conv_stack
 from ..ranks.launch import default_device
+from .judging import Watch, case_generator, second_hint
 
 STEPS_JUDGED = 3  # enough for gradients left over from one step to show in the next
 JUDGED_SAMPLES = 5  # fewer than the steps judged take at any ddp size: the step must go round the samples again

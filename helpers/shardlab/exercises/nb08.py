@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..check import Watch, second_hint
-from ..measure import max_diff_to_source
+from ..measure.memory import max_diff_to_source
 from ..models import conv_stack
 from ..ranks.launch import default_device
+from .judging import Watch, second_hint
 
 SHAPE = {"width": 4, "layers": 2}  # another model than the notebook's
 

@@ -1,7 +1,7 @@
 """Judges of ``notebooks/09_memory_planner.ipynb``: the bytes of one rank's shards of parameters, gradients and
 optimizer state on its device, predicted by hand, and the decision whether a layout fits a GPU.
 
-Both answers are functions, judged in the notebook's kernel (``sl.check.judged``) on models, layouts and capacities
+Both answers are functions, judged in the notebook's kernel (``sl.exercises.judged``) on models, layouts and capacities
 the notebook never showed. The first judge measures its own truth: it builds each rank's local shards on the meta
 device and lets a real Adam step create its state. The second asks ``sl.plan.verdict``, outside the learner's call.
 Each call is watched: the library functions that would do the exercise for the learner may not run.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..check import Watch, second_hint
 from ..plan import DTYPES, Planner, conv_model, plan, verdict
+from .judging import Watch, second_hint
 
 # (width, depth, kernel, dtype, ddp, replica, wrapper): other models and layouts than the notebook's worked problem.
 STATE_CASES = (
@@ -71,7 +71,7 @@ def state_by_hand(state_bytes) -> str | None:
     ``fully_shard`` and ``sl.measure.state_bytes`` may not run in the call: they would measure, not predict."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..measure import state_bytes as measured_state
+    from ..measure.memory import state_bytes as measured_state
 
     if not callable(state_bytes):
         return (f"state_bytes is a {type(state_bytes).__name__}: define a function state_bytes(model, ddp, replica, "

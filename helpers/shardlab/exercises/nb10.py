@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, earlier_object, second_hint
 from ..models import DIFFUSE, diffuse
 from ..ranks.rankstate import restore_registry
+from .judging import Watch, earlier_object, second_hint
 from .nb04 import SMALL, _diagnose, _shard_tensor
 
 HALO = 1  # rows of each neighbour the 5-point stencil reads

@@ -1,12 +1,13 @@
 """Judges of ``notebooks/11_memory_levers.ipynb``: a layout ``(ddp, domain, wrapper, levers)`` that fits a budget per
 rank with the fewest domain ranks.
 
-The answer is a function, judged in the notebook's kernel (``sl.check.judged``) on models, fields, world sizes and
+The answer is a function, judged in the notebook's kernel (``sl.exercises.judged``) on models, fields, world sizes and
 budgets the notebook never showed: budgets a byte under and exactly at what the best layout of some domain size needs,
 and one that nothing fits. The judge finds the truth itself, by planning every layout the exercise allows, outside
 the learner's call. While the call runs, it is watched: the planner's own searches may not run, and the layout
 returned must be one the call planned. Then the layout chosen at this cluster's world size, for a model of the
-judge's own, trains one step on the ranks (``sl.plan.measure_rank``), measured against its plan and the budget.
+judge's own, trains one step on the ranks (``sl.plan.measure_rank``), measured against its plan and
+the budget.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import functools
 import torch
 
 from .. import plan as plan_package
-from ..check import Watch, earlier_object, second_hint
 from ..levers import Levers
-from ..plan import Planner, compare, conv_model, fmt_bytes
+from ..plan import Planner, conv_model, fmt_bytes
+from ..plan.validate import compare
+from .judging import Watch, earlier_object, second_hint
 
 WRAPPERS = ("ddp", "fsdp2")  # "none" averages gradients by hand (notebook 05): not a layout to train with
 LOW = torch.bfloat16
@@ -123,7 +125,7 @@ def measure_layout(ddp: int, domain: int, wrapper: str, levers: Levers):
     of ``MEASURED_FIELD`` (the same on every rank); this rank's ``RankBytes``."""
     from ..mesh import build_mesh
     from ..models import conv_stack
-    from ..plan import measure_rank
+    from ..plan.validate import measure_rank
     from ..ranks.launch import default_device
 
     generator = torch.Generator().manual_seed(11)

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..check import Watch, case_generator, earlier_object, second_hint
 from ..data import open_store, read_slab, write_field_store
 from ..mesh import build_mesh, shard_bounds
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 
 def _height(rng, low: int, high: int, sizes: list[int]) -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..check import Watch, case_generator, earlier_object, second_hint
 from ..models import transolver
 from ..points import PointCloud, mse, predict
+from .judging import Watch, case_generator, earlier_object, second_hint
 
 
 def _cloud(rng, n: int, features: int, device) -> PointCloud:

@@ -5,16 +5,16 @@ Both answers are functions of plain data, judged in the kernel on traces and rec
 check, with the truth built in rather than computed: a trace is drawn from intervals whose total is known, then
 broken into events that overlap across the process group's threads, spill past the steps and sit among ops of the
 main thread; records are drawn as the collectives of several groups, with one rank skipping one of them. The calls
-are watched: ``sl.measure.timeline`` and ``sl.flight.waits`` (the answer keys) may not run.
+are watched: ``sl.measure.timeline`` and ``sl.measure.flight.waits`` (the answer keys) may not run.
 """
 
 from __future__ import annotations
 
 import random
 
-from ..check import Watch, case_generator, second_hint
-from ..flight import Entered, waits
 from ..measure import timeline
+from ..measure.flight import Entered, waits
+from .judging import Watch, case_generator, second_hint
 
 _KEYS = {"summarize": timeline.summarize, "shares": timeline.shares,
          "communication_share": timeline.communication_share, "union": timeline.union, "minus": timeline.minus,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..check import Watch, case_generator, second_hint
-from ..measure import relative_error
+from ..measure.memory import relative_error
+from .judging import Watch, case_generator, second_hint
 
 TOLERANCE = 1e-10  # relative, float64: what sums split differently round to (sl.parity.TOLERANCE)
 
@@ -82,7 +82,7 @@ def shards_batch_norm(batch_norm_on_shards, domain, package=None) -> str | None:
     from physicsnemo.domain_parallel import ShardTensor, scatter_tensor
     from torch.distributed.tensor import Shard
 
-    from ..audit import audit_model, mean_square
+    from ..measure.audit import audit_model, mean_square
 
     rng, n, device = case_generator(), domain.size(), DistributedManager().device
     channels, momentum, affine = rng.randint(2, 5), rng.choice([0.1, 0.3, 0.5]), rng.random() < 0.75

@@ -1,8 +1,8 @@
 """Each collective a block of code ran, as one ``Event``: its primitive, its group, the bytes this rank handed to it.
 
-One recorder for the series: ``sl.check.Watch`` judges what a learner's call communicated with it, and
-``sl.audit`` attributes a model's collectives to its modules with it. A dispatch mode sees every c10d op, whoever
-calls it (the learner, a library, ShardTensor's handlers), with the bytes this rank hands over and the group's
+One recorder for the series: ``sl.exercises.Watch`` judges what a learner's call communicated with it, and
+``sl.measure.audit`` attributes a model's collectives to its modules with it. A dispatch mode sees every c10d op,
+whoever calls it (the learner, a library, ShardTensor's handlers), with the bytes this rank hands over and the group's
 ranks; ``CommDebugMode`` counts collectives by op and module, without either (lesson 08).
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from . import CollectiveBytes
+from .memory import CollectiveBytes
 
 # c10d ops (and their functional twins) by the primitive a lesson teaches.
 PRIMITIVES = {

@@ -127,7 +127,7 @@ def measure_loading(store, mesh, sample: int = 0, fields=("permeability", "targe
     allocator's peak on a GPU, and what the shards hold afterwards (storage, ``held_bytes``). Every rank calls it."""
     from physicsnemo.distributed import DistributedManager
 
-    from . import DevicePeak, held_bytes
+    from .memory import DevicePeak, held_bytes
 
     rows = {}
     for way, load in LOADERS.items():

@@ -51,7 +51,7 @@ def measure_step(case, size: int, mesh, dtype, optimizer: str, levers: Levers = 
     from physicsnemo.distributed import DistributedManager
     from torch.distributed.tensor import Replicate, Shard
 
-    from ..measure import AllocatorPeak, SavedActivations
+    from ..measure.memory import AllocatorPeak, SavedActivations
     from ..mesh import scatter
     from .inputs import OPTIMIZERS
 

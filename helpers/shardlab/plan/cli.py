@@ -14,9 +14,16 @@ from ..ranks.launch import detect_launch, shutdown_distributed, write_job_result
 from ..report import Table
 from ..train import WRAPPERS
 from .inputs import DTYPES, GPUS, LOADINGS, OPTIMIZERS, GiB, conv_model, fmt_bytes, parse_field, parse_size
-from .live import comparison_table, measure_cases, measure_on_ranks, peak_cases, peak_table, series_cases
 from .planner import Planner, Verdict, verdict
 from .records import LEFT_OUT, Plan
+from .validate import (
+    comparison_table,
+    measure_cases,
+    measure_on_ranks,
+    peak_cases,
+    peak_table,
+    series_cases,
+)
 
 
 def _print_plan(planner: Planner, result: Plan, capacity: int | None, gpu: str | None) -> Verdict | None:

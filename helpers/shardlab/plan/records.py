@@ -55,7 +55,7 @@ LEFT_OUT = (
                 "measured on the GPU, when it is made where a GPU is visible (plan.workspace.CUDAWorkspace); in the "
                 "10 % above otherwise (the meta device runs no engine). With cudnn.benchmark=True the first call of "
                 "each shape also allocates the largest candidate's workspace that fits the largest free cached block, "
-                "to time them; where the planner's peak is measured (plan.live.measure_rank) cuDNN is pinned to "
+                "to time them; where the planner's peak is measured (validate.measure_rank) cuDNN is pinned to "
                 + ", ".join(f"{k}={v}" for k, v in CUDNN_PINNED.items()) + " and restored after",
      "source": f"{TORCH_SOURCE}/aten/src/ATen/native/cudnn/Conv_v8.cpp (run_conv_plan; with benchmark: "
                "generate_and_filter_plans)"},

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..workarounds import cpu_allocator_changes
+from ..measure.allocations import cpu_allocator_changes
 from .records import CUDNN_PINNED
 
 CONVOLUTION = torch.ops.aten.convolution.default

@@ -7,8 +7,8 @@
 Steps, each printed as it happens, stopping at the first that fails with what to change:
 
 1. **audit** (``job.py``, ``steps.audit_lines``): the model on local CPU ranks at a small size, float64, with
-   ``sl.audit``: each op ShardTensor has no handler for (named, with how to register one), each silent gather, the
-   spatial parameters (``sl.parity.spatial_parameters``: split on ``domain``, the rest FSDP2 on ``ddp``);
+   ``sl.measure.audit``: each op ShardTensor has no handler for (named, with how to register one), each silent gather,
+   the spatial parameters (``sl.parity.spatial_parameters``: split on ``domain``, the rest FSDP2 on ``ddp``);
 2. **parity** (same job): ``sl.parity``'s comparison against one process, output and every gradient, even and uneven
    splits; no run is written when it fails, unless ``--skip-parity-gate``;
 3. **plan** (``steps.candidates``): the series' planner at the target for each ``(ddp, domain)`` layout of the GPUs:

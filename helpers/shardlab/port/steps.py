@@ -55,8 +55,8 @@ def audit_lines(row: dict, spec: dict) -> tuple[list[str], list[str]]:
         if "has no ShardTensor handler" in line:
             continue  # said with how to register a handler, above
         (stop if "raised" in line else shown).append(
-            line + ("" if "raised" in line else " Find the op that gathered (sl.audit.audit_model(...).table()) and "
-                    f"register a handler for it: {HANDLERS['function']}."))
+            line + ("" if "raised" in line else " Find the op that gathered (sl.measure.audit.audit_model(...).table())"
+                    f" and register a handler for it: {HANDLERS['function']}."))
     sent = audit.get("bytes", {})
     shown.append(f"collectives per step per rank: {sent.get('forward', 0):,} B forward + {sent.get('backward', 0):,} B "
                  f"backward (float64, size {spec['sizes'][0]}), {audit.get('seconds', 0):.1f} s")

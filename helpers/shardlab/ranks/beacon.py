@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from .. import flight
+from ..measure import flight
 
 STATUS = "rank-status"  # the folder, inside the cluster's profile folder
 WATCHED = "watched"  # present while a panel shows the ranks

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from .. import flight, workarounds
+from .. import workarounds
+from ..measure import flight
 from . import devices, forkserver, owned, subprocesses
 
 # find_mpiexec and torchrun_command are here for callers of sl.ranks.launch: notebook 08, and the planner's two launches

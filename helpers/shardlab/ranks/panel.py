@@ -22,7 +22,7 @@ from pathlib import Path
 import ipywidgets
 import psutil
 
-from .. import flight
+from ..measure import flight
 from . import beacon
 
 EVERY_S = 0.5  # the panel reads the ranks' files this often

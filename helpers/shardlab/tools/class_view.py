@@ -1,9 +1,9 @@
 """Who is stuck: the class's exercise checks as one table, ``python -m shardlab.tools.class_view FOLDER [--stuck N]``.
 
-FOLDER is the class folder the learners' checks write to (``SHARDLAB_CLASS_DIR``, ``shardlab.progress``). One row
-per learner: the exercise they checked last, how many exercises they have passed, each exercise they failed
+FOLDER is the class folder the learners' checks write to (``SHARDLAB_CLASS_DIR``, ``shardlab.exercises.progress``). One
+row per learner: the exercise they checked last, how many exercises they have passed, each exercise they failed
 ``--stuck`` times (3 by default) or more without passing it since (the learners to visit first), and each exercise
-whose reference answer they revealed (``sl.check.reveal``).
+whose reference answer they revealed (``sl.exercises.reveal``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..progress import read_class
+from ..exercises.progress import read_class
 from ..report import Table
 
 

@@ -5,7 +5,7 @@
 - ``timeline`` (14): notebook 14's step, two profiled steps on every rank: NCCL's kernels on the GPU streams, each
   rank's shares summing to 1, the halo exchange and both callers' all-reduces found in them;
 - ``flight-record`` (14): the last rank held back from a collective the others enter; every rank's Flight Recorder
-  (NCCL's own recorder on CUDA ranks) read after the failure, and ``sl.flight.waits`` naming that rank;
+  (NCCL's own recorder on CUDA ranks) read after the failure, and ``sl.measure.flight.waits`` naming that rank;
 - ``transolver-parity`` (13): Transolver run domain-parallel on every GPU of the node against one process, float64.
 
 Each ``run_*`` returns (result, passed) and passes only on CUDA ranks: CPU ranks run the same programs (the tests do),
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 
-from .. import flight, model_cases, parity
+from .. import model_cases, parity
+from ..measure import flight
 from ..ranks.launch import run_job
 
 # The last rank never enters the all-reduce. On NCCL the collective only queues on the waiting ranks: the .item()
@@ -33,7 +34,7 @@ if dist.get_rank() != dist.get_world_size() - 1:
 READ_RECORDS = """\
 import torch.distributed as dist
 import shardlab as sl
-records, backend = sl.flight.entered(), dist.get_backend()  # not a collective: works on a broken group
+records, backend = sl.measure.flight.entered(), dist.get_backend()  # not a collective: works on a broken group
 """
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..plan import gpu_check as plan_gpu_check
+from ..plan.validate import gpu_check as plan_gpu_check
 from ..ranks import owned, subprocesses
 from ..ranks.devices import place_ranks, unusable_gpus, visible_gpus
 from ..ranks.launch import clean_environment, run_job

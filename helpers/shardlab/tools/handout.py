@@ -4,7 +4,7 @@
 ``build/handout/``. A cell tagged ``solution`` keeps its ``%%px`` line and its functions' signatures and
 docstrings (``...`` for a body), and each other name it assigns becomes ``name = ...``: the exercise check reports
 either as "not answered yet". The blanked cells' sources are kept beside the notebooks, in ``answers.FILE``, where
-``sl.check.reveal`` shows one when a learner asks, and where 07's later cells take the reference answer of a learner
+``sl.exercises.reveal`` shows one when a learner asks, and where 07's later cells take the reference answer of a learner
 who has not passed its check.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import nbformat
 
-from .. import answers
-from ..answers import SOLUTION_TAG
+from ..exercises import answers
+from ..exercises.answers import SOLUTION_TAG
 
 
 def _bound_names(statements) -> list[str]:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     out = Path(args[1] if len(args) > 1 else "build/handout")
     written = make_handout(src, out)
     print(f"wrote {len(written)} learner notebooks without solutions to {out}/, and their reference answers, which "
-          f"sl.check.reveal shows, to {out / answers.FILE}")
+          f"sl.exercises.reveal shows, to {out / answers.FILE}")
     return 0
 
 

@@ -99,7 +99,7 @@ def exercises(path: Path) -> list[Exercise]:
         prompt = "\n".join(c.source for c in cells[previous + 1:i] if c.cell_type == "markdown")
         numbered = re.findall(r"\*\*(\d+)\.", prompt)
         number = numbered[-1] if numbered else str(len(found) + 1)
-        check = next((c for c in cells[i + 1:] if c.cell_type == "code" and "sl.check." in c.source), None)
+        check = next((c for c in cells[i + 1:] if c.cell_type == "code" and "sl.exercises." in c.source), None)
         whys = [w["why"] for w in wrong_answers(cell)]
         found.append(Exercise(number, next((t for t in tags if t in ("core", "stretch")), "untagged"), _names(cell),
                               _hint(check) if check else "", tuple(w for w in whys if not SHORTCUT.match(w)),

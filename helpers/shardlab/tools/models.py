@@ -17,7 +17,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from .. import audit, model_cases, parity, workarounds
+from .. import model_cases, parity, workarounds
+from ..measure import audit
 from ..ranks.launch import JobFailed, run_job
 
 RANKS = (2, 4)
@@ -145,10 +146,10 @@ model and rank count, the domain axis every rank; each row names the device its 
   input, same seed; relative error, max |difference| / max |reference|, of the output and of every parameter's
   gradient (the worst named), for each size (an *uneven* split: the domain size does not divide it). A gradient below
   a ten-thousandth of the model's largest is zero in exact arithmetic and measured against that share. Bound: 1e-10.
-- **audit findings**: `sl.audit.audit_model` on the distributed model: each op ShardTensor has no handler for (and how
-  to register one), each silent gather, each plain tensor every rank holds whole along the split dim (a positional
-  table left replicated, named with how to shard it; an activation built whole), a backward that raised (file and
-  line of the installed package).
+- **audit findings**: `sl.measure.audit.audit_model` on the distributed model: each op ShardTensor has no handler for
+  (and how to register one), each silent gather, each plain tensor every rank holds whole along the split dim (a
+  positional table left replicated, named with how to shard it; an activation built whole), a backward that raised (file
+  and line of the installed package).
 - **spatial parameters**: each parameter or buffer whose shape follows the field (the model built at two sizes: the
   dim that changed), its bytes, and whether the strategy splits it on `domain` or leaves it whole on every rank.
 - **collectives**: the bytes this rank handed to collectives in one forward and backward, as the audit counts them

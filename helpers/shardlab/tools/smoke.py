@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..gpu_record import gpu_status
-from ..measure import max_diff_to_source
+from ..measure.memory import max_diff_to_source
 from ..mesh import MeshError, build_mesh, domain_source
 from ..ranks.devices import default_ranks, place_ranks, unusable_gpus, usable_cores, visible_gpus
 from ..ranks.launch import (
@@ -31,6 +30,7 @@ from ..ranks.launch import (
     shutdown_distributed,
     write_job_result,
 )
+from .gpu_record import gpu_status
 
 # PhysicsNeMo is imported inside the checks: notebook 00 reads machine facts in its kernel
 # without paying for PhysicsNeMo's import.

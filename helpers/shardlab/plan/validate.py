@@ -1,5 +1,6 @@
-"""Measured on real ranks: the planner's categories counted live during one ``Trainer.step`` (CPU: exact bytes;
-GPU: also the allocator's peak), and the series' own cases predicted against measured."""
+"""The planner validated: its categories counted live during one ``Trainer.step`` on real ranks, against the plan.
+
+CPU: exact bytes; GPU: also the allocator's peak. The series' own cases, predicted against measured."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def _measure_rank(model, mesh, wrapper, samples, shard_dim, levers) -> RankBytes
     import torch.distributed as dist
 
     from ..data import normalized_darcy
-    from ..measure import AllocatorPeak, SavedActivations, state_bytes
+    from ..measure.memory import AllocatorPeak, SavedActivations, state_bytes
     from ..train import Trainer, fsdp_units
 
     samples = normalized_darcy() if samples is None else samples  # host data: loaded before the peak is counted
@@ -258,7 +259,7 @@ def measure_cases(cases: list[dict], timeout_s: float = 120.0) -> dict:
     runs (``measure_rank``)."""
     import torch.distributed as dist
 
-    from ..measure import release_memory
+    from ..measure.memory import release_memory
 
     state = init_distributed(timeout_s)
     results, done = [], {}

@@ -1,5 +1,5 @@
-"""The reference answers of the exercises, found by a name they bind, for a learner who asks (``sl.check.reveal``) and
-for the cells that build on an exercise (``sl.check.yours_or_reference``).
+"""The reference answers of the exercises, found by a name they bind, for a learner who asks (``sl.exercises.reveal``)
+and for the cells that build on an exercise (``sl.exercises.yours_or_reference``).
 
 In the instructor copy they are the notebooks' solution cells. The learners' handout blanks those cells
 (``tools.handout``), and keeps their sources in one file beside the notebooks (``FILE``, a hidden file: JupyterLab's

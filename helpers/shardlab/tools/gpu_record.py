@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-RECORD = Path(__file__).resolve().parents[2] / "data" / "gpu-check.json"  # in a checkout of the repository
+RECORD = Path(__file__).resolve().parents[3] / "data" / "gpu-check.json"  # in a checkout of the repository
 RAN = ("passed", "FAILED")  # gpucheck's statuses of a row that ran; the others say why a row did not
 
 

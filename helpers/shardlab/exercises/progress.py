@@ -4,7 +4,7 @@ Opt-in: nothing is written unless ``SHARDLAB_CLASS_DIR`` names a folder that exi
 by the learners: INSTRUCTORS.md, "Who is stuck"). Each learner appends to a file of their own, one JSON line a check:
 who (``JUPYTERHUB_USER`` on a hub, else the account), the notebook (``JPY_SESSION_NAME``, which Jupyter sets for
 a notebook's kernel), the exercise, and whether it passed, or that its reference answer was revealed
-(``sl.check.reveal``). ``python -m shardlab.tools.class_view`` reads the folder.
+(``sl.exercises.reveal``). ``python -m shardlab.tools.class_view`` reads the folder.
 """
 
 from __future__ import annotations

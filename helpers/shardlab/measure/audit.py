@@ -1,7 +1,7 @@
 """An audit you can run on any model: which of its modules communicate, with which collectives and how many bytes,
 forward and backward; which operations ShardTensor had no handler for and gathered; which modules gathered silently.
 
-    result = sl.audit.audit_model(model, *inputs, loss=lambda out: out.square().mean())
+    result = sl.measure.audit.audit_model(model, *inputs, loss=lambda out: out.square().mean())
     result.table(); result.findings(); result.clean
 
 Call it on every rank together: it runs one forward and one backward, as training would (the model's gradients are
@@ -16,7 +16,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 
-from .report import Table
+from ..report import Table
 
 PHASES = ("forward", "backward")
 LOSS = "(loss)"  # the row of the loss function's own collectives: it is not a module of the model
@@ -31,7 +31,7 @@ UNTRACED = "backward collectives of nodes no module created are counted here"
 def mean_square(out):
     """The default loss: the mean of the output's squares (every output element gets a gradient), its gradient exact
     in float64 (``workarounds.exact_mean``)."""
-    from .workarounds import exact_mean
+    from ..workarounds import exact_mean
 
     return exact_mean(out.square())
 
@@ -328,7 +328,7 @@ def audit_model(model, *inputs, loss=mean_square) -> Audit:
 
     A backward that raises does not raise here: the audit reports it (``error``, and a finding), with what the
     forward did. The model's ``.grad`` are left as they were before the audit."""
-    from .measure.collectives import collective_recorder
+    from .collectives import collective_recorder
 
     recording = _Recording(model)
     saved_grads = {p: p.grad for p in model.parameters()}

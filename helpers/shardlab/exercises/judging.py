@@ -1,4 +1,4 @@
-"""Exercise checks: say what is right and what is wrong, per rank where it matters.
+"""How an answer is judged: on every rank next to the learner's objects, or in the kernel; what is right, what is wrong.
 
 Every notebook from ``01_launchers`` on ends with exercises; each answer cell sets ``answer`` (or
 the names the exercise asks for) and the next cell calls one of these. A blank answer (``...``)
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from . import answers, progress
 
 if TYPE_CHECKING:  # torch loads on first use: a notebook kernel checks answers without it
-    from .measure.collectives import Event
+    from ..measure.collectives import Event
 
 
 class NotSolved(AssertionError):
@@ -146,7 +146,7 @@ def _judge_here(judge, *values):
         return judge(*values)
     except Exception as error:
         said = f"{type(error).__name__}: {error}"
-        from .ranks.px import broken_group  # on the ranks, where ipyparallel is
+        from ..ranks.px import broken_group  # on the ranks, where ipyparallel is
 
         if broken_group(said):  # not the answer's fault: the ranks cannot run a collective together any more
             return (OUT_OF_STEP, said)
@@ -165,7 +165,7 @@ def on_ranks(cluster, judge, *names: str, what: str, hint: str = "") -> None:
     verdicts = cluster.view.apply_sync(_judge_here, judge, *(Reference(name) for name in names))
     broken = {rank: v[1] for rank, v in enumerate(verdicts) if isinstance(v, (tuple, list)) and v[0] == OUT_OF_STEP}
     if broken:  # no verdict is printed: the answer was not judged
-        from .ranks.px import OutOfStep, out_of_step
+        from ..ranks.px import OutOfStep, out_of_step
 
         cause = getattr(getattr(cluster, "_px", None), "partial_failure", None)  # what %%px saw fail, if anything
         first, *rest = out_of_step(broken, cause)
@@ -227,7 +227,7 @@ def _wrong(exercise: str, what: str, said: str, hint: str, judge=None) -> NotSol
     if tries >= 2 and getattr(judge, "second_hint", ""):
         lines.append(f"Second hint (try {tries}): {judge.second_hint}")
     if tries >= 3 and exercise != what and exercise.isidentifier():  # an answer with a name to reveal it by
-        lines.append(f"Still stuck? sl.check.reveal({exercise!r}) shows the reference answer.")
+        lines.append(f"Still stuck? sl.exercises.reveal({exercise!r}) shows the reference answer.")
     return NotSolved("\n".join(lines))
 
 
@@ -254,7 +254,7 @@ def yours_or_reference(name: str, yours):
     namespace = {"__name__": "__main__"}
     exec(compile(source, f"{STOOD_IN} ({notebook})>", "exec"), namespace)
     print(f"↪ {name} has not passed its check: the cells below carry on with the reference {name} "
-          f"(sl.check.reveal({name!r}) shows it); run your answer and its check again to use yours.")
+          f"(sl.exercises.reveal({name!r}) shows it); run your answer and its check again to use yours.")
     return namespace[name]
 
 
@@ -276,7 +276,7 @@ def case_generator() -> random.Random:
 def _event(*args, **kwargs) -> Event:
     """An Event of ``measure.collectives``, the one record of what watched code did (imported here on first use:
     checking an answer in a notebook kernel needs no torch)."""
-    from .measure.collectives import Event
+    from ..measure.collectives import Event
 
     return Event(*args, **kwargs)
 
@@ -307,7 +307,7 @@ class Watch:
         self._attributes = dict(attributes or {})
         self._saved: list = []
         if collectives:
-            from .measure.collectives import collective_recorder
+            from ..measure.collectives import collective_recorder
 
             self._mode = collective_recorder(self.events.append)
         else:
