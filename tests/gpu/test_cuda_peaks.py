@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardlab import plan
 from shardlab.measure.memory import AllocatorPeak, DevicePeak
 from shardlab.models import conv_stack
-from shardlab.plan import records, validate
+from shardlab.plan import records
 from shardlab.train import Levers, training_step, use_checkpointing
 
 MIB = 2**20
@@ -185,7 +185,7 @@ def test_measured_steps_run_with_cudnn_pinned_and_restore_it(monkeypatch):
     model = conv_stack(width=4, layers=2)
     samples = (torch.zeros(2, 1, 8, 8), torch.zeros(2, 1, 8, 8))
     with pytest.raises(Stop):
-        validate.measure_rank(model, mesh=None, wrapper="none", samples=samples)
+        plan.measure_rank(model, mesh=None, wrapper="none", samples=samples)
     assert seen == {"enabled": True, "benchmark": False, "deterministic": True}  # was what the user had chosen
     assert records.CUDNN_PINNED == seen  # what LEFT_OUT says is pinned
     assert (cudnn.benchmark, cudnn.deterministic) == (True, False)
@@ -221,10 +221,10 @@ def test_the_peak_cases_conv_stacks_call_no_cublas():
     backward, Adam), with its checkpointing and autocast, dispatches no matrix product. aten's ops are the same on
     every device: what runs below them (cuDNN on a GPU) is chosen per device."""
     seen = set()
-    for case in validate.peak_cases(4):
+    for case in plan.peak_cases(4):
         shape = [1, 1, *[min(size, 16) for size in case["field"][2:]]]
-        model = conv_stack(**validate.conv_stack_kwargs(case["model"]), dims=len(shape) - 2)
-        levers = validate.case_levers(case)
+        model = conv_stack(**plan.validate.conv_stack_kwargs(case["model"]), dims=len(shape) - 2)
+        levers = plan.validate.case_levers(case)
         if levers.checkpoint:
             model = use_checkpointing(model)
         step_levers = Levers(checkpoint=levers.checkpoint, autocast=levers.autocast)
@@ -240,12 +240,12 @@ def test_the_peak_cases_conv_stacks_call_no_cublas():
 
 def test_peak_cases_scale_only_the_activation_heavy_configurations():
     """At ``make gpu-check``'s 16x, the state-heavy cases keep the size at which their state weighs in the peak."""
-    small, large = validate.peak_cases(2), validate.peak_cases(2, scale=16)
+    small, large = plan.peak_cases(2), plan.peak_cases(2, scale=16)
     state_share = {}
     for before, after in zip(small, large):
         heavy = "state-heavy" in before["name"]
         assert after["field"][2:] == [s * (1 if heavy else 16) for s in before["field"][2:]], after
-        row = max(validate.predict_case(after, "cuda").rows, key=lambda r: r.peak)
+        row = max(plan.predict_case(after, "cuda").rows, key=lambda r: r.peak)
         state_share[after["name"]] = ((row.params + row.grads + row.optimizer + row.buffers) / row.peak, heavy)
     heavy = [share for share, is_heavy in state_share.values() if is_heavy]
     light = [share for share, is_heavy in state_share.values() if not is_heavy]

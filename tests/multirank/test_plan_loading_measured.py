@@ -6,7 +6,6 @@ import pytest
 
 from shardlab import plan
 from shardlab.models import conv_stack
-from shardlab.plan import validate
 from shardlab.ranks.launch import run_job
 
 FLOAT = 4  # bytes of a float32
@@ -15,7 +14,7 @@ FLOAT = 4  # bytes of a float32
 # The batch built by slab on each rank, with no planner code: this rank's rows of the sample (torch.chunk of a
 # tensor every rank makes alike), a copy of their own as a host-to-GPU copy makes, wrapped with from_local and the
 # shapes of every rank's rows. A stand-in for the Trainer's own slab source, put in place of sl.train.Trainer, which
-# validate.measure_rank builds.
+# plan.measure_rank builds.
 SLAB_STEP = r"""
 import torch, torch.distributed as dist
 import shardlab as sl
@@ -46,7 +45,7 @@ measured = {{}}
 for loading, trainer in (("scatter", train.Trainer), ("slab", SlabTrainer)):
     train.Trainer = trainer  # what measure_rank builds
     model = sl.models.conv_stack(width=WIDTH, layers=3).to(state.device)
-    mine = validate.measure_rank(model, mesh, "ddp", samples=samples).as_dict()
+    mine = plan.measure_rank(model, mesh, "ddp", samples=samples).as_dict()
     measured[loading] = [None] * dist.get_world_size()
     dist.all_gather_object(measured[loading], mine)
     del model
@@ -60,7 +59,7 @@ sl.ranks.launch.shutdown_distributed()
 @pytest.mark.multirank
 def test_slab_plan_matches_a_step_measured_on_two_cpu_ranks_whose_batch_is_built_by_slab(tmp_path, no_leftovers):
     """One job of 2 CPU ranks: one step with the batch scattered, one with it built by slab (uneven: 513 rows), each
-    measured by ``validate.measure_rank``. Slab: no broadcast (transient 0); each plan's categories exact and its
+    measured by ``plan.measure_rank``. Slab: no broadcast (transient 0); each plan's categories exact and its
     peak within the multirank planner test's tolerance (10 % on the largest rank, 15 % on any); and what slab loading
     saves at the peak (the whole fields less the rank's rows, 512 KiB, 2 % of it here) as predicted, within a quarter
     (the CPU allocator's peak moves by some 30 KiB from run to run)."""
@@ -76,7 +75,7 @@ def test_slab_plan_matches_a_step_measured_on_two_cpu_ranks_whose_batch_is_built
     predicted = {}
     for mode, ranks in measured.items():
         predicted[mode] = plan.plan(model, field, domain=2, device="cpu", threads=result["threads"], loading=mode)
-        rows = validate.compare(predicted[mode], ranks)
+        rows = plan.compare(predicted[mode], ranks)
         print(mode, rows)
         assert all(r["categories off"] == "-" for r in rows), rows
         big = max(rows, key=lambda r: r["predicted peak"])

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from shardlab import plan
-from shardlab.plan import validate
 from world_sizes import PLANNER
 
 
@@ -30,7 +29,7 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
     The series' own (notebooks 04 and 05's model; N = 1, 2, 4 on the domain axis; DDP and FSDP2): every rank's
     predicted bytes within 5 % of the measured byte accounting, every category exact.
 
-    Ten peak configurations (``validate.peak_cases``): 2-D and 3-D, even and uneven shards, DDP, FSDP2 and none,
+    Ten peak configurations (``plan.peak_cases``): 2-D and 3-D, even and uneven shards, DDP, FSDP2 and none,
     checkpointing, bf16 autocast and FSDP2's param_dtype, reshard_after_forward False, domain 1, 2 and 4. Each rank's
     step peak is measured by the allocator alone (torch.profiler memory events, ``AllocatorPeak``; no code shared
     with the planner). The rank that needs the most must be within 10 % of the prediction, every rank within 15 %:
@@ -55,7 +54,7 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
         for n in (1, 2, 4):
             for wrapper in ("ddp", "fsdp2"):
                 assert f"nb{notebook} N={n} {wrapper}" in names
-    rows = validate.comparison_table(series)
+    rows = plan.comparison_table(series)
     assert len(rows) == 4 * len(series["cases"])
     worst = max(rows, key=lambda r: abs(r["error"]))
     assert abs(worst["error"]) <= 0.05, worst
@@ -63,18 +62,18 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
     assert all(r["categories off"] == "-" for r in rows), [r for r in rows if r["categories off"] != "-"]
 
     cases = peaks["cases"]
-    assert len(cases) == len(validate.peak_cases(4)) >= 8
+    assert len(cases) == len(plan.peak_cases(4)) >= 8
     assert {len(c["field"]) for c in cases} == {4, 5} and {c["domain"] for c in cases} == {1, 2, 4}
     assert {c["wrapper"] for c in cases} == {"none", "ddp", "fsdp2"}
-    levers = [validate.case_levers(c) for c in cases]
+    levers = [plan.validate.case_levers(c) for c in cases]
     assert any(lv.checkpoint for lv in levers) and any(lv.autocast for lv in levers)
     assert any(lv.param_dtype for lv in levers) and any(not lv.reshard_after_forward for lv in levers)
     assert any(len(set(r["rows"] for r in c["ranks"])) > 1 for c in cases)  # uneven shards
-    table = validate.peak_table(peaks)
+    table = plan.peak_table(peaks)
     assert all(abs(r["error"]) <= 0.10 for r in table), table
     assert all(abs(r["worst rank error"]) <= 0.15 for r in table), table
     # With the levers on, every category but the halo share of the bf16 copies stays exact on CPU ranks.
-    rows = validate.comparison_table(peaks)
+    rows = plan.comparison_table(peaks)
     off = [r for r in rows if r["categories off"] != "-" and not r["categories off"].startswith("halos")]
     assert not off, off
 
@@ -82,6 +81,6 @@ def test_predictions_match_the_measured_ranks_and_the_step_peaks_the_allocators(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_predicted_peak_is_within_10_percent_of_max_memory_allocated(no_leftovers):
-    result, ok = validate.gpu_check(torch.cuda.device_count(), timeout_s=600)
+    result, ok = plan.gpu_check(torch.cuda.device_count(), timeout_s=600)
     print(result)
     assert ok, result

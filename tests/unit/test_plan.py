@@ -17,7 +17,6 @@ import torch
 from shardlab import plan, plot
 from shardlab.models import conv_stack
 from shardlab.plan import cli as plan_cli
-from shardlab.plan import validate
 from shardlab.train import Levers
 
 
@@ -354,20 +353,20 @@ def test_gpu_check_judges_every_rank_of_the_peak_configurations(monkeypatch, gpu
     """The GPU count simulated: the job's measurement is made from the planner's own peaks, scaled by ``factor``."""
     from types import SimpleNamespace
 
-    cases = validate.peak_cases(gpus, scale=16)
+    cases = plan.peak_cases(gpus, scale=16)
     assert len(cases) >= 8 and cases[0]["field"] == [1, 1, 64 * 16, 64 * 16]
     assert {c["domain"] for c in cases} == ({1, 2} if gpus == 2 else {1})
 
     def fake_job(n, job_cases, timeout_s):
         assert n == gpus and job_cases == cases
         measured = [case | {"ranks": [r.as_dict() | {"peak": round(r.peak / factor)} for r in
-                                      validate.predict_case(case, "cuda").rows]} for case in job_cases]
+                                      plan.predict_case(case, "cuda").rows]} for case in job_cases]
         label = f"{n} {'CUDA' if device == 'cuda' else 'CPU'} rank(s)"
         return SimpleNamespace(result={"world_size": n, "backend": "nccl", "device": f"{device}:0",
                                        "cases": measured}, placement=SimpleNamespace(device=device, label=label))
 
     monkeypatch.setattr(plan.validate, "measure_on_ranks", fake_job)
-    result, passed = validate.gpu_check(gpus)
+    result, passed = plan.gpu_check(gpus)
     assert passed == ok, result
     if device == "cuda":
         assert result.count("max_memory_allocated") == len(cases) and f"worst rank {factor - 1:+.1%}"[:12] in result
