@@ -42,8 +42,13 @@ def run(kc, code: str, timeout_s: float = 600) -> str:
             printed.append("\n".join(msg["content"]["traceback"]))
 
     reply = kc.execute_interactive(code, timeout=timeout_s, output_hook=hook)
+    if reply["content"]["status"] == "aborted":
+        # Never run: after a failed cell ipykernel 7.4 aborts the requests that reach it before its own "stop
+        # aborting" message does (kernelbase.py, _abort_queues, lines 1364-1378), a race a busy machine loses.
+        reply = kc.execute_interactive(code, timeout=timeout_s, output_hook=hook)
     if reply["content"]["status"] != "ok":
-        raise RuntimeError(f"the kernel failed on {code!r}:\n{''.join(printed)[-3000:]}")
+        raise RuntimeError(f"the kernel failed on {code!r} ({reply['content']['status']}):\n"
+                           f"{''.join(printed)[-3000:]}")
     return "".join(printed)
 
 
