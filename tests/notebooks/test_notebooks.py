@@ -62,7 +62,7 @@ def test_notebook_runs_and_its_checks_reject_wrong_answers(path, no_leftovers):
     run = run_notebook(path, rerun=rerun, env=as_in_jupyterlab() if path.stem in STDERR_CHECKED else None)
     assert not rerun or run.rerun_seconds > 0, f"{path.name}: no cell ran a second time"
     if path.stem in STDERR_CHECKED:
-        left = [*unexplained(run.first_pass or run.notebook), *(unexplained(run.notebook) if run.first_pass else [])]
+        left = [line for done in (run.first_pass, run.notebook) if done is not None for line in unexplained(done)]
         assert not left, f"{path.name} shows stderr lines nobody explains:\n" + "\n".join(dict.fromkeys(left))
     assert {r.cell for r in run.rehearsals} == set(solution_cells(path)), "an exercise was not rehearsed"
     for r in run.rehearsals:

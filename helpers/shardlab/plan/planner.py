@@ -115,7 +115,7 @@ class Planner(DomainSearch):
         if len(out) != field_dims or any(o < i or o % i for o, i in zip(out, self.field_shape[2:])):
             raise ValueError(f"the model maps {self.field_shape} to {tuple(probe.shape)}: the planner handles field-"
                              "to-field models whose output keeps each spatial size or multiplies it (upsampling: 2N).")
-        self.out_channels, self.target_shape = probe.shape[1], (self.field_shape[0], probe.shape[1], *out)
+        self.target_shape = (self.field_shape[0], probe.shape[1], *out)
         self.handlers_note = handlers_note(called.called)  # "" unless an op runs through a handler of user code
         self._models: dict[tuple, torch.nn.Module] = {}  # per (checkpoint, param_dtype): the model as levers make it
         self._traces: dict[tuple, Trace] = {}

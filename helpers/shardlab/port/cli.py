@@ -113,7 +113,7 @@ def port(model: str, *, out, gpus: int, gpu: str, field: str | None = None, poin
         except (ValueError, RuntimeError) as error:
             unplanned = f"the planner cannot plan {case.name} yet: {str(error).splitlines()[0][:300]}"
     caveat = getattr(planner, "handlers_note", "") if rows else ""  # what the plan leaves out, if anything
-    _done(t, times, "plan", [*map(steps.layout_line, rows), *[caveat][:bool(caveat)]] if rows else [unplanned])
+    _done(t, times, "plan", [*map(steps.layout_line, rows), *([caveat] if caveat else [])] if rows else [unplanned])
 
     t = _step(4, "choice", "the smallest domain that fits")
     if rows:
