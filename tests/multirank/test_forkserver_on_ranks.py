@@ -182,14 +182,23 @@ def test_a_clusters_engines_are_forked_and_nothing_is_left_after_stop_or_a_kille
 
 
 JOB = """
-import os, sys
+import json, os, sys, time
 import psutil
-from shardlab.ranks import launch
+from shardlab.ranks import commands, launch
+def done(path):
+    try:
+        return json.loads(open(path).read()) is not None
+    except (OSError, ValueError):
+        return False
 info = launch.detect_launch()
 if info.rank == 0:
     launch.write_job_result({"parent": psutil.Process(os.getppid()).cmdline(), "launcher": info.launcher,
                              "world": info.world_size})
-sys.exit(int(os.environ.get("EXIT_CODE", "0")) if info.rank == info.world_size - 1 else 0)
+if info.rank == info.world_size - 1:  # fails only once rank 0's result is in: torchrun stops the others at a failure
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not done(os.environ[commands.RESULT_FILE]):
+        time.sleep(0.02)
+    sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 """
 
 
