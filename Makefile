@@ -189,7 +189,8 @@ test-sizes: $(STAMP)
 # hold `unit` tests (tests/support/tiers.py refuses one elsewhere): each worker collects only them, not every module.
 test-fast: $(STAMP)
 	$(COMPILE_HELPERS)
-	$(VENV)/bin/python -m pytest -m unit tests/unit tests/gpu -n 2 --dist worksteal --junitxml=$(JUNIT_DIR)/make-test-fast.xml
+	$(VENV)/bin/python -m pytest -m unit tests/unit tests/gpu -p no:nbmake -n 2 --dist worksteal \
+		--junitxml=$(JUNIT_DIR)/make-test-fast.xml
 
 # docs/timings.md rewritten from the last `make test` and `make test-fast` and the size of .venv: the one page of
 # measured times and counts, never edited by hand.

@@ -217,6 +217,26 @@ def start_fork_server(record: records.Record, launcher: EngineLauncher, options:
     options["engine_cmd"] = [*forkserver.stub_command(record.profile_dir), "-m", "ipyparallel.engine"]
 
 
+class PortTaken(ClusterError):
+    """A port the controller was given was listened on by another process before the controller could: another start
+    on this node drew it from CONTROLLER_PORTS at the same moment (``free_ports`` checks a port, then the controller
+    binds it). ``RankCluster.start`` starts again with other ports."""
+
+
+def controller_log(cluster: ipp.Cluster) -> list[str]:
+    try:
+        return Path(cluster.controller.output_file).read_text(errors="replace").strip().splitlines()
+    except (AttributeError, OSError):
+        return []
+
+
+def check_controller_ports(cluster: ipp.Cluster) -> None:
+    """Raise PortTaken once the controller's log says a port it was given is in use (a process it forks, its heart
+    monitor, binds its ports after the controller has started; the engines then wait 75 s for heartbeats)."""
+    if taken := [line.strip() for line in controller_log(cluster) if "Address already in use" in line]:
+        raise PortTaken(f"A port of the controller was taken by another process meanwhile ({taken[-1]})")
+
+
 def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:
     """What went wrong on the controller's side of a failed start, if anything (else None): it exited (how), or one
     of the processes it forks failed (a traceback in its log: a heart monitor that could not bind its port leaves every
@@ -227,10 +247,7 @@ def controller_trouble(cluster: ipp.Cluster, lines: int = 12) -> str | None:
         alive = process is not None and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         alive = False
-    try:
-        log = Path(controller.output_file).read_text(errors="replace").strip().splitlines()
-    except (AttributeError, OSError):
-        log = []
+    log = controller_log(cluster)
     if alive:
         if not (starts := [i for i, line in enumerate(log) if line.startswith("Traceback")]):
             return None
@@ -256,14 +273,19 @@ def bring_up(cluster: ipp.Cluster, launcher: EngineLauncher, record: records.Rec
 def _bring_up(cluster, launcher, record, n, options, timeout_s, start_timeout_s, say):
     t0 = time.perf_counter()
     say(f"starting {n} ranks: the controller")
-    cluster.start_controller_sync()
+    try:
+        cluster.start_controller_sync()
+    except BaseException:
+        check_controller_ports(cluster)
+        raise
     cluster.start_engines_sync(n=n, **options)
     launcher.started(cluster.engines.values())
     record_started(record, launcher, cluster, [])
     client = cluster.connect_client_sync()
     try:
         launcher.wait_for_engines(client, start_timeout_s, lambda count: say(f"starting {n} ranks: {count} of {n} "
-                                                                             "registered"))
+                                                                             "registered"),
+                                  lambda: check_controller_ports(cluster))
         say(f"starting {n} ranks: {n} of {n} registered; each imports PyTorch and PhysicsNeMo and joins the "
             "process group")
         record_started(record, launcher, cluster, [])
@@ -274,7 +296,8 @@ def _bring_up(cluster, launcher, record, n, options, timeout_s, start_timeout_s,
         record_started(record, launcher, cluster, states)
     except BaseException as error:
         client.close()
-        if isinstance(error, ClusterError) and (trouble := controller_trouble(cluster)) is not None:
+        if isinstance(error, ClusterError) and not isinstance(error, PortTaken) and (
+                trouble := controller_trouble(cluster)) is not None:
             raise ClusterError(f"{error}\n{trouble}") from None
         raise
     return client, view, states, {"engines registered": registered,

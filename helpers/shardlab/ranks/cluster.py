@@ -23,12 +23,13 @@ import ipyparallel as ipp
 import psutil
 
 from . import beacon, launch, owned, records, settings, warm
-from .bringup import bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
+from .bringup import PortTaken, bring_up, idle_and_alive, prepare, record_started, release_for_parking, take_over
 from .engine_launchers import engine_launcher
 from .panel import RankPanel
 from .px import PxCells, StatusLine, wait_for
 
 START_TIMEOUT_S = 120.0
+START_ATTEMPTS = 3  # a start whose controller port another start took meanwhile (bringup.PortTaken) is made again
 
 
 def process_roles(states: list[dict], controller) -> dict[int, str]:
@@ -114,23 +115,34 @@ class RankCluster:
                 return self
             warm.evict_own(self.pool, self.shape)
         self._free_gpus()
-        self._cluster, self._record, options = prepare(self.cluster_id, self.job_name, self.engine_launcher, self.n,
-                                                       self.controller_ip, self.shared_dir, self.pool)
         if note := self.engine_launcher.note():
             print(note)
         t0, status = time.perf_counter(), StatusLine()
-        atexit.register(self.stop)
-        try:
-            up = bring_up(self._cluster, self.engine_launcher, self._record, self.n, options, self.timeout_s,
-                          self.start_timeout_s, status.update)
-            self.client, self.view, self.states, self.timings = up
-        except BaseException:
-            status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the error")
-            self.stop()
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._cluster, self._record, options = prepare(self.cluster_id, self.job_name, self.engine_launcher,
+                                                           self.n, self.controller_ip, self.shared_dir, self.pool)
+            atexit.register(self.stop)
+            try:
+                up = bring_up(self._cluster, self.engine_launcher, self._record, self.n, options, self.timeout_s,
+                              self.start_timeout_s, status.update)
+                self.client, self.view, self.states, self.timings = up
+                break
+            except PortTaken as taken:
+                if attempt == START_ATTEMPTS:
+                    self._failed_start(status, t0)
+                    raise
+                self._shut_down()
+                print(f"{taken}: starting again with other ports.")
+            except BaseException:
+                self._failed_start(status, t0)
+                raise
         self.start_seconds = time.perf_counter() - t0
         status.done(f"started {self.placement.label} in {self.start_seconds:.1f} s")
         return self
+
+    def _failed_start(self, status: StatusLine, t0: float) -> None:
+        status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the error")
+        self.stop()
 
     def _free_gpus(self) -> None:
         """Before CUDA engines start: stop the parked clusters on CUDA of this kernel's pool, whatever their shape

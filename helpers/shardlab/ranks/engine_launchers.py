@@ -152,15 +152,18 @@ class EngineLauncher:
             said += f"\nThe engines' nodes do not see the cluster's profile folder. {SHARED_HINT}"
         return said
 
-    def wait_for_engines(self, client, timeout_s: float, registered: Callable[[int], None] | None = None) -> None:
+    def wait_for_engines(self, client, timeout_s: float, registered: Callable[[int], None] | None = None,
+                         check: Callable[[], None] = lambda: None) -> None:
         """Wait until all n engines registered with ``client``; else a ClusterError with what the launcher said.
-        ``registered``: called with how many have, at the start and whenever that number changes."""
+        ``registered``: called with how many have, at the start and whenever that number changes; ``check``, at each
+        round: what it raises ends the wait."""
         deadline, count = time.monotonic() + timeout_s, None
         try:
             # In short waits: wait_for_engines notices an engine set that stops while it waits, but not one that
             # stopped before it began (a launcher that fails at once), so each round also asks the launcher; and
             # each round says how many engines registered so far.
             while True:
+                check()
                 if registered is not None and count != (count := len(client.ids)):
                     registered(count)
                 try:
