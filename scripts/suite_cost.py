@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,16 +33,24 @@ JUNIT = ROOT / "test-artifacts" / "junit"
 RUNS = (("without the fork server", {"SHARDLAB_FORK_ENGINES": "0"}), ("fork server", {}))
 
 
+def interruptible() -> None:
+    """In the suite's process, before it runs: Ctrl-C delivered again. A shell that starts this script in the
+    background (``&``, nohup) has it ignore SIGINT, and an ignored signal stays ignored in every program it starts:
+    the suite's Ctrl-C tests would then wait for an interrupt that never comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_suite(label: str, extra: dict[str, str]) -> dict:
     """Clone HEAD, run ``make test`` in the clone with ``extra`` set, and remove the clone: the timings."""
     clone = Path(tempfile.mkdtemp(prefix="shardlab-suite-"))
+    clone.chmod(0o755)  # readable as a checkout is: the class-node tests run its .venv as other accounts
     try:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=600)
         environment = {k: v for k, v in os.environ.items() if k != "SHARDLAB_FORK_ENGINES"} | extra
         print(f"{label}: make test in a fresh clone ({clone.name})", flush=True)
         t0 = time.perf_counter()
         done = subprocess.run(["make", "test"], cwd=clone, env=environment, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, timeout=3 * 3600)
+                              stderr=subprocess.PIPE, text=True, timeout=3 * 3600, preexec_fn=interruptible)
         seconds = time.perf_counter() - t0
         junit = clone / "test-artifacts" / "junit" / "make-test.xml"
         if not junit.exists():

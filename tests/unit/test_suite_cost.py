@@ -1,8 +1,9 @@
 """scripts/suite_cost.py without running the suite: each run is `make test` in a clone of its own, the first with the
-fork server off and the second as the series runs now (whatever this environment says), every clone removed, and the
-table's ratios are each run's over the first."""
+fork server off and the second as the series runs now (whatever this environment says), in a clone others can read
+and with Ctrl-C delivered, every clone removed, and the table's ratios are each run's over the first."""
 
 import importlib.util
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -30,8 +31,16 @@ def test_each_run_is_make_test_in_a_clone_of_its_own_first_without_the_fork_serv
     def run(cmd, cwd=None, env=None, **kwargs):
         if cmd[:2] == ["git", "clone"]:
             clones.append(Path(cmd[-1]))
+            assert clones[-1].is_dir()
         else:
             assert cmd == ["make", "test"] and Path(cwd) == clones[-1]
+            assert Path(cwd).stat().st_mode & 0o777 == 0o755  # other accounts run its .venv (tests/system)
+            ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job has it
+            try:
+                kwargs["preexec_fn"]()
+                assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # the suite's Ctrl-C tests need it
+            finally:
+                signal.signal(signal.SIGINT, ignored)
             settings.append(env.get("SHARDLAB_FORK_ENGINES"))
             junit = Path(cwd, "test-artifacts", "junit", "make-test.xml")
             junit.parent.mkdir(parents=True)
