@@ -28,9 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timings import machine, read_junit  # noqa: E402
 
+from shardlab.ranks.forkserver import FORK_ENGINES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 JUNIT = ROOT / "test-artifacts" / "junit"
-RUNS = (("without the fork server", {"SHARDLAB_FORK_ENGINES": "0"}), ("fork server", {}))
+RUNS = (("without the fork server", {FORK_ENGINES: "0"}), ("fork server", {}))
 
 
 def interruptible() -> None:
@@ -46,7 +48,7 @@ def run_suite(label: str, extra: dict[str, str]) -> dict:
     clone.chmod(0o755)  # readable as a checkout is: the class-node tests run its .venv as other accounts
     try:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=600)
-        environment = {k: v for k, v in os.environ.items() if k != "SHARDLAB_FORK_ENGINES"} | extra
+        environment = {k: v for k, v in os.environ.items() if k != FORK_ENGINES} | extra
         print(f"{label}: make test in a fresh clone ({clone.name})", flush=True)
         t0 = time.perf_counter()
         done = subprocess.run(["make", "test"], cwd=clone, env=environment, stdout=subprocess.DEVNULL,

@@ -127,22 +127,18 @@ class RankCluster:
                               self.start_timeout_s, status.update)
                 self.client, self.view, self.states, self.timings = up
                 break
-            except PortTaken as taken:
-                if attempt == START_ATTEMPTS:
-                    self._failed_start(status, t0)
-                    raise
-                self._shut_down()
-                print(f"{taken}: starting again with other ports.")
-            except BaseException:
-                self._failed_start(status, t0)
+            except BaseException as error:
+                if isinstance(error, PortTaken) and attempt < START_ATTEMPTS:
+                    self._shut_down()
+                    print(f"{error}: starting again with other ports.")
+                    continue
+                status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the "
+                            "error")
+                self.stop()
                 raise
         self.start_seconds = time.perf_counter() - t0
         status.done(f"started {self.placement.label} in {self.start_seconds:.1f} s")
         return self
-
-    def _failed_start(self, status: StatusLine, t0: float) -> None:
-        status.done(f"could not start {self.placement.label} ({time.perf_counter() - t0:.1f} s): see the error")
-        self.stop()
 
     def _free_gpus(self) -> None:
         """Before CUDA engines start: stop the parked clusters on CUDA of this kernel's pool, whatever their shape
