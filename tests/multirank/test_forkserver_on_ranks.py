@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardlab.ranks import commands, forkserver, owned
+from shardlab.ranks import commands, forkserver, forkstub, owned
 from shardlab.ranks.cluster import RankCluster
 
 pytestmark = pytest.mark.multirank
@@ -239,3 +239,38 @@ def test_a_connection_the_launcher_hands_over_by_number_follows_the_rank(server)
         assert os.read(read, 100) == b"from the rank"
     finally:
         os.close(read)
+
+
+# What a rank on a Slurm node runs: its parent's pid and command line, then it exits with the code it was given.
+NODE_RANK = ("import os, sys, psutil; print(os.getppid(), psutil.Process(os.getppid()).cmdline()[2:]); "
+             "sys.exit(int(sys.argv[1]))")
+
+
+def test_on_a_slurm_node_the_first_stub_starts_the_nodes_server_which_ends_after_its_engines(tmp_path, no_leftovers):
+    """What srun starts for a step on each node: stubs that ask ``@node``, with no process of the kernel's node to
+    serve them. However many race to start the node's server, one serves: every rank is forked from it and exits with
+    its own code; then the server ends by itself (the stub that started it may end first, and Slurm stop tracking
+    it). The same with SLURM_STEP_ID of another step: a server of its own."""
+    program = tmp_path / "rank.py"
+    program.write_text(NODE_RANK)
+    stub = forkserver.stub_command(tmp_path, on_other_nodes=True)
+    for step in ("0", "1"):
+        env = os.environ | owned.marked_environment() | {"SLURM_JOB_ID": f"test{os.getpid()}", "SLURM_STEP_ID": step,
+                                                          "CUDA_VISIBLE_DEVICES": ""}
+        name = forkstub.node_server_name(env)
+        stubs = [subprocess.Popen([*stub, str(program), str(code)], env=env, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for code in range(4)]
+        done = [s.communicate(timeout=WAIT_S) for s in stubs]
+        assert [s.returncode for s in stubs] == [0, 1, 2, 3], done
+        parents = {out.strip() for out, _ in done}
+        assert len(parents) == 1 and parents.pop().endswith(str(["shardlab.ranks.forkserver", name])), done
+        assert not any(err for _, err in done), done  # no stub fell back
+        assert _wait(lambda name=name: not _servers_named(name), 10.0), "the node's server outlived its engines"
+
+
+def _servers_named(name: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.info["cmdline"] and proc.info["cmdline"][-1:] == [name] and proc.status() != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found

@@ -24,7 +24,7 @@ import pytest
 import machine_changes
 import shardlab as sl
 from notebook_runner import run_notebook
-from shardlab.ranks import owned
+from shardlab.ranks import forkserver, owned
 from shardlab.ranks.launch import JobFailed, run_job
 from shardlab.ranks.px import ClusterError, rank_errors, summarize_rank_errors
 
@@ -93,8 +93,10 @@ def test_srun_from_the_login_node_meets_at_rank_0s_node(no_leftovers):
 
 
 def test_run_job_hands_back_rank_0s_result_from_a_node_that_did_not_start_it(monkeypatch, no_leftovers):
+    monkeypatch.delenv(forkserver.FORK_ENGINES, raising=False)  # what the series does, whatever the run's setting
     job = run_job("slurm", 4, SMOKE[0], SMOKE[1:], timeout_s=180)
     assert rows(job.result) == ACROSS
+    assert "fork server" not in job.stderr, job.stderr  # every rank forked from its node's server: none fell back
     assert not list(Path(os.environ["SHARDLAB_SHARED_DIR"]).glob("shardlab-job-*")), "the job's folder is left"
 
     # Without a shared folder, rank 0 on node1 cannot reach the login node's temp folder: it says so before the
@@ -113,6 +115,7 @@ def test_px_engines_on_both_nodes_reach_the_controller_and_leave_nothing(tmp_pat
     The kernel's temp folder is one no node has, as a notebook's is under the test runner."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.delenv(forkserver.FORK_ENGINES, raising=False)
     with pytest.raises(ValueError, match="runs engines on other nodes: pass controller_ip='\\*'"):
         sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="127.0.0.1")
     with sl.RankCluster(n=4, device="cpu", engines="slurm", controller_ip="*") as cluster:
@@ -121,6 +124,12 @@ def test_px_engines_on_both_nodes_reach_the_controller_and_leave_nothing(tmp_pat
         cluster.view.execute("import torch, torch.distributed as dist\nt = torch.tensor([dist.get_rank() + 1.0])\n"
                              "dist.all_reduce(t)", block=True)
         assert cluster.view.pull("t.item()", block=True) == [10.0] * 4
+        # Forked from one server on each node, which the node's first stub started (shardlab.ranks.forkserver)
+        cluster.view.execute("import os, psutil, socket\nparent = (socket.gethostname(), os.getppid(), "
+                             "psutil.Process(os.getppid()).cmdline()[2])", block=True)
+        parents = cluster.view.pull("parent", block=True)
+        assert {cmd for _, _, cmd in parents} == {"shardlab.ranks.forkserver"}, parents
+        assert len({(node, pid) for node, pid, _ in parents}) == 2 == len({node for node, _, _ in parents}), parents
         assert Path(cluster.profile_dir).parent == Path(os.environ["SHARDLAB_SHARED_DIR"])
     assert not sl.ranks.slurm.slurm_jobs_named(cluster.job_name)
     assert not Path(cluster.profile_dir).exists()

@@ -15,8 +15,8 @@ def test_the_fallback_is_chosen_where_a_fork_cannot_be_used(monkeypatch):
     short = tempfile.gettempdir()
     monkeypatch.delenv(forkserver.FORK_ENGINES, raising=False)
     assert forkserver.why_not(short) is None
-    assert "Slurm" in forkserver.why_not(short, on_other_nodes=True)
     assert "too long" in forkserver.why_not("/" + "x" * 120)
+    assert forkserver.why_not("/" + "x" * 120, on_other_nodes=True) is None  # Slurm's ranks ask their node's server
     monkeypatch.setenv(forkserver.FORK_ENGINES, "0")
     assert forkserver.why_not(short) == f"{forkserver.FORK_ENGINES}=0"
 
@@ -31,6 +31,16 @@ def test_a_stub_without_a_server_runs_the_program_itself_and_says_so(tmp_path):
     assert done.returncode == 3
     assert done.stdout.strip() == "['a', 'b'] launcher's"
     assert done.stderr.count("\n") == 1 and "without the fork server" in done.stderr, done.stderr
+
+
+def test_a_stub_for_a_nodes_server_outside_a_slurm_step_runs_the_program_itself(tmp_path, monkeypatch):
+    """``@node`` (Slurm's ranks) names a server by the task's job step: without one, today's start, said in a line."""
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    done = subprocess.run([*forkserver.stub_command(tmp_path, on_other_nodes=True), "-c", "print('ran')"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert "not a task of a Slurm job step" in done.stderr, done.stderr
 
 
 def test_the_stub_needs_only_the_standard_library():

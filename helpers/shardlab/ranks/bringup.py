@@ -207,14 +207,17 @@ def prepare(cluster_id: str, job_name: str, launcher: EngineLauncher, n: int, co
 def start_fork_server(record: records.Record, launcher: EngineLauncher, options: dict) -> None:
     """Engines forked from a parent that imported PyTorch and PhysicsNeMo once (``forkserver``), where they can be:
     the server is started (recorded: it stops with the cluster) and the launcher runs each rank's stub instead of
-    the engine. Else today's start, said in one line."""
+    the engine; Slurm's engines, on other nodes, ask a server their node's first stub starts. Else today's start, said
+    in one line."""
     if (why := forkserver.why_not(record.profile_dir, launcher.on_other_nodes)) is not None:
         print(f"Engines start without a fork server, each importing PyTorch itself: {why}.")
         return
-    launcher.fork_server = server = forkserver.start(record.profile_dir, os.environ | options["environment"])
-    record.processes = sorted(set(map(tuple, record.processes)) | {server})
-    record.save()
-    options["engine_cmd"] = [*forkserver.stub_command(record.profile_dir), "-m", "ipyparallel.engine"]
+    if not launcher.on_other_nodes:
+        launcher.fork_server = server = forkserver.start(record.profile_dir, os.environ | options["environment"])
+        record.processes = sorted(set(map(tuple, record.processes)) | {server})
+        record.save()
+    options["engine_cmd"] = [*forkserver.stub_command(record.profile_dir, launcher.on_other_nodes), "-m",
+                             "ipyparallel.engine"]
 
 
 class PortTaken(ClusterError):

@@ -22,11 +22,18 @@ with it (``PR_SET_PDEATHSIG``, set in the forked child of a single-threaded pare
 folder is gone. An engine dies with its stub: the engine's watcher thread sees the stub's end of the connection
 close. What the child does after the fork is ``forkchild``'s; the fallback, today's start, is chosen by ``why_not``
 for a whole cluster or job, and by each stub that finds no server to ask.
+
+Slurm engines run on other nodes, where the kernel cannot start a process: there the first stub of the job step on
+each node starts that node's server (``python -m shardlab.ranks.forkserver @NAME``, a name in the abstract namespace,
+``forkstub.connect_on_this_node``). Nothing owns it, and Slurm may stop tracking it once that stub ends, so it ends by
+itself: once every process it forked has ended (or when no stub asks within IDLE_S). It ignores SIGTERM, which Slurm
+sends every process of a step it stops: the stubs hand it on to their engines, and the server ends after them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -39,6 +46,7 @@ import time
 from pathlib import Path
 
 from . import forkchild
+from .forkstub import EACH_NODE, address, peer_uid
 
 FORK_ENGINES = "SHARDLAB_FORK_ENGINES"  # "0": engines start the usual way (the opt-out)
 # What an engine imports to start and to initialise its rank (measured: what a started engine had in sys.modules),
@@ -58,6 +66,7 @@ MAX_SOCKET_PATH = 100  # AF_UNIX paths stop at 107 bytes
 MAX_REQUEST = 1 << 20
 MAX_FILES = 4  # stdin, stdout, stderr and MPICH's PMI_FD
 POLL_S = 0.2
+IDLE_S = 60.0  # a node's server that no stub asked in this long ends
 
 
 def socket_path(folder: str | os.PathLike) -> Path:
@@ -65,21 +74,22 @@ def socket_path(folder: str | os.PathLike) -> Path:
 
 
 def why_not(folder: str | os.PathLike, on_other_nodes: bool = False) -> str | None:
-    """Why engines in ``folder``'s cluster cannot start from a fork server (None: they can): the fallback's reasons."""
+    """Why engines in ``folder``'s cluster cannot start from a fork server (None: they can): the fallback's reasons.
+    ``on_other_nodes``: Slurm's, served by a server on each node, which needs no socket in ``folder``."""
     if os.environ.get(FORK_ENGINES, "1") == "0":
         return f"{FORK_ENGINES}=0"
-    if on_other_nodes:
-        return "Slurm engines run on other nodes than this one's fork server"
-    if len(str(socket_path(folder))) > MAX_SOCKET_PATH:
-        return f"the path of its socket in {folder} is too long for a Unix socket"
     if not hasattr(socket, "send_fds") or not sys.platform.startswith("linux"):
         return "this system cannot pass files between processes as the fork server needs"
+    if not on_other_nodes and len(str(socket_path(folder))) > MAX_SOCKET_PATH:
+        return f"the path of its socket in {folder} is too long for a Unix socket"
     return None
 
 
-def stub_command(folder: str | os.PathLike) -> list[str]:
-    """The program a launcher runs for each rank, before ``-m MODULE ARGS...``."""
-    return [sys.executable, "-I", str(Path(__file__).with_name("forkstub.py")), str(socket_path(folder))]
+def stub_command(folder: str | os.PathLike, on_other_nodes: bool = False) -> list[str]:
+    """The program a launcher runs for each rank, before ``-m MODULE ARGS...``: asking the server in ``folder``, or,
+    ``on_other_nodes`` (Slurm's), the one on the rank's node."""
+    where = EACH_NODE if on_other_nodes else str(socket_path(folder))
+    return [sys.executable, "-I", str(Path(__file__).with_name("forkstub.py")), where]
 
 
 def start(folder: str | os.PathLike, environment: dict[str, str], owner: tuple[int, float] | None = None
@@ -103,15 +113,18 @@ def start(folder: str | os.PathLike, environment: dict[str, str], owner: tuple[i
 @contextlib.contextmanager
 def for_job(launcher: str, folder: str | os.PathLike, environment: dict[str, str]):
     """Around a job of ranks that ``launch.run_job`` starts with ``launcher`` (its log folder ``folder``, its
-    ``environment``): a fork server while the job runs, owned by this process; yields what goes before the program on
-    the launcher's command line (the stub), or [] where the job starts the usual way (Slurm, the opt-out), said in
-    one line."""
+    ``environment``): a fork server while the job runs, owned by this process (Slurm's: one on each node, started
+    there); yields what goes before the program on the launcher's command line (the stub), or [] where the job
+    starts the usual way (the opt-out), said in one line."""
     from . import owned
 
     if (why := why_not(folder, on_other_nodes=launcher == "slurm")) is not None:
         print(f"shardlab: the job's ranks start without a fork server, each importing PyTorch itself: {why}.",
               file=sys.stderr)
         yield []
+        return
+    if launcher == "slurm":  # each node's server is started there, by the job's first stub on it
+        yield stub_command(folder, on_other_nodes=True)[1:]
         return
     server = start(folder, environment, owner=owned.identity())
     try:  # torchrun runs its program as ``python -u PROGRAM``: the stub then runs without -I, still standard only
@@ -159,40 +172,56 @@ def preload() -> list[str]:
     return invariants()
 
 
-def serve(path: Path, owner: tuple[int, float] | None = None) -> None:
-    """Listen at ``path``, import, then fork an engine per request until the socket's folder is gone (or ``owner``,
-    (pid, start time), is)."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
+def serve(where: str, owner: tuple[int, float] | None = None) -> None:
+    """Listen at ``where``, import, then fork an engine per request until the socket's folder is gone (or ``owner``,
+    (pid, start time), is). ``where`` "@NAME": a node's server (Slurm's), which serves until every engine it forked
+    has ended; where another process bound NAME first, it returns at once."""
+    on_node = where.startswith("@")
+    for sig in (signal.SIGINT, signal.SIGHUP, *([signal.SIGTERM] if on_node else [])):
         signal.signal(sig, signal.SIG_IGN)  # its own session: a Ctrl-C or hang-up meant for the kernel is not for it
     gc.disable()  # collections between the imports and the fork would only dirty pages the children share
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
-        listener.bind(str(path))  # owner-only, in an owner-only folder
+        listener.bind(address(where))  # a path: owner-only, in an owner-only folder
+    except OSError as error:
+        if on_node and error.errno == errno.EADDRINUSE:  # another stub's server was first
+            return
+        raise
     finally:
         os.umask(old)
     listener.listen(256)
     from . import owned
 
-    me = os.getpid()
-    forkchild.SERVER_SOCKET = str(path)
+    me, path = os.getpid(), None if on_node else Path(where)
+    forkchild.SERVER_SOCKET = address(where)
     refused = preload()
     gc.freeze()  # what the imports built stays out of the children's collections: their pages stay shared
     engines: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
+    served, idle_until = False, time.monotonic() + IDLE_S
+
+    def serving() -> bool:
+        if on_node:
+            return bool(engines) if served else time.monotonic() < idle_until
+        return path.parent.is_dir() and (owner is None or owned.same_process(*owner) is not None)
+
     try:
-        while path.parent.is_dir() and (owner is None or owned.same_process(*owner) is not None):
+        while serving():
             for _ in selector.select(POLL_S):
                 conn, _ = listener.accept()
-                pid = answer(conn, refused, [listener, *engines.values()], selector)
+                if peer_uid(conn) != os.getuid():  # an abstract name has no permissions: only its user's stubs
+                    conn.close()
+                    continue
+                pid, served = answer(conn, refused, [listener, *engines.values()], selector), True
                 if pid is None:
                     conn.close()
                 else:
                     engines[pid] = conn
             reap(engines)
     finally:
-        if os.getpid() == me:
+        if os.getpid() == me and path is not None:
             path.unlink(missing_ok=True)
 
 
@@ -261,10 +290,10 @@ def answer(conn: socket.socket, refused: list[str], inherited: list[socket.socke
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 3):
-        print("usage: python -m shardlab.ranks.forkserver SOCKET [OWNER_PID OWNER_START] (started by start_cluster "
-              "and run_job, not by hand)", file=sys.stderr)
+        print("usage: python -m shardlab.ranks.forkserver SOCKET|@NAME [OWNER_PID OWNER_START] (started by "
+              "start_cluster, run_job and the stubs on Slurm nodes, not by hand)", file=sys.stderr)
         return 2
-    serve(Path(args[0]), (int(args[1]), float(args[2])) if len(args) == 3 else None)
+    serve(args[0], (int(args[1]), float(args[2])) if len(args) == 3 else None)
     return 0
 
 

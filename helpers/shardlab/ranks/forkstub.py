@@ -10,6 +10,9 @@ PMI_FD), so the engine writes where the launcher reads. Then it is the engine, a
 - it exits as the engine did: the same exit code, or killed by the same signal;
 - a stub that is killed (SIGKILL) closes its end of the connection: the engine's watcher sees it and kills the engine.
 
+On Slurm nodes (``SOCKET`` is ``@node``) no process of the kernel's node can start the server: the first stub of the
+job step on each node starts that node's, and the others ask it (``connect_on_this_node``).
+
 Where there is no server to ask (none listening, or it refused or died before forking), it says so in one line on
 stderr and replaces itself with ``python ARGS...``: today's start (the fallback).
 """
@@ -19,17 +22,79 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM)
 CONNECT_S = 10.0  # a server that listens accepts at once; its imports may take longer, the handshake waits for them
+EACH_NODE = "@node"  # instead of SOCKET: this node's server for this Slurm job step (``node_server_name``)
 
 
 def fall_back(why):
     """Become today's engine: ``python ARGS...`` in this process, with this environment."""
     print(f"shardlab: {why}: starting this rank's engine without the fork server.", file=sys.stderr, flush=True)
     os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+
+
+def address(where):
+    """The socket address of ``where``: a path, or "@NAME", a name in Linux's abstract namespace (no file to leave
+    behind; the name is gone with the process that bound it)."""
+    return "\0" + where[1:] if where.startswith("@") else where
+
+
+def node_server_name(environ=os.environ):
+    """The abstract name of this node's server for this task's Slurm job step: one per user and step on each node
+    (None outside a step)."""
+    job, step = environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_STEP_ID", "")
+    return f"@shardlab-fork-{os.getuid()}-{job}.{step}" if job and step else None
+
+
+def peer_uid(conn):
+    """The user id of the process at the other end of ``conn`` (SO_PEERCRED: pid, uid, gid)."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+def connect_on_this_node(name):
+    """A connection to this node's server at the abstract ``name``, started here when none listens yet: every stub of
+    the step on this node may start one at the same moment; the first to bind the name serves, the others exit at
+    once. An abstract name has no file permissions, so the server must be this user's (any user can bind a name)."""
+    deadline, started = time.monotonic() + CONNECT_S, False
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(address(name))
+            break
+        except ConnectionRefusedError:  # nobody bound the name (yet)
+            conn.close()
+        if time.monotonic() > deadline:
+            fall_back(f"no fork server came up on this node at {name}")
+        if not started:  # its output discarded: what it has to say, it says to the stubs (a refusal)
+            subprocess.Popen([sys.executable, "-m", "shardlab.ranks.forkserver", name], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            started = True
+        time.sleep(0.02)
+    if peer_uid(conn) != os.getuid():
+        fall_back(f"a process of another user listens at {name}")
+    return conn
+
+
+def connect(where):
+    """A connection to the server at ``where`` (a path, or ``EACH_NODE``); falls back to today's start without one."""
+    if where == EACH_NODE:
+        if (name := node_server_name()) is None:
+            fall_back("not a task of a Slurm job step, which the fork server on each node serves")
+        conn = connect_on_this_node(name)
+    else:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(CONNECT_S)
+        try:
+            conn.connect(where)
+        except OSError as error:
+            fall_back(f"no fork server at {where} ({error.strerror or error})")
+    conn.settimeout(None)
+    return conn
 
 
 def is_open(fd):
@@ -65,16 +130,10 @@ def read_line(conn):
 
 def main():
     if len(sys.argv) < 3:
-        print("usage: python forkstub.py SOCKET -m MODULE ARGS... (started by the launcher, not by hand)",
+        print("usage: python forkstub.py SOCKET|@node -m MODULE ARGS... (started by the launcher, not by hand)",
               file=sys.stderr)
         return 2
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(CONNECT_S)
-    try:
-        conn.connect(sys.argv[1])
-    except OSError as error:
-        fall_back(f"no fork server at {sys.argv[1]} ({error.strerror or error})")
-    conn.settimeout(None)
+    conn = connect(sys.argv[1])
     # Besides stdin, stdout and stderr, a connection the launcher handed its rank by number: MPICH's PMI_FD.
     pmi = os.environ.get("PMI_FD", "")
     files = [0, 1, 2, *([int(pmi)] if pmi.isdigit() and int(pmi) > 2 and is_open(int(pmi)) else [])]
