@@ -269,8 +269,6 @@ def test_on_a_slurm_node_the_first_stub_starts_the_nodes_server_which_ends_after
 
 
 def _servers_named(name: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.info["cmdline"] and proc.info["cmdline"][-1:] == [name] and proc.status() != psutil.STATUS_ZOMBIE:
-            found.append(proc)
-    return found
+    """Live processes whose last argument is ``name`` (read with the listing: one that ends meanwhile is skipped)."""
+    return [proc for proc in psutil.process_iter(["cmdline", "status"])
+            if (proc.info["cmdline"] or [])[-1:] == [name] and proc.info["status"] != psutil.STATUS_ZOMBIE]
