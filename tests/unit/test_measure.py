@@ -71,15 +71,22 @@ def test_collective_bytes_counts_calls_and_bytes_per_collective(fresh_python):
     assert cost["largest"] == 400
 
 
-def test_an_activation_at_the_address_of_a_freed_excluded_tensor_is_counted():
-    """FSDP2's gathered parameters are excluded and freed after each layer; the allocator may put a later activation
-    at the same address. It must still be counted (seen as a rank measuring fewer bytes than its twin)."""
+@pytest.mark.parametrize("resize_to_0", [False, True], ids=["deleted", "resized to 0"])
+def test_an_activation_at_the_address_of_a_freed_excluded_tensor_is_counted(resize_to_0):
+    """FSDP2's gathered parameters are excluded, then freed after each layer by resizing their storage to 0 (the
+    storage lives on without its memory); the allocator may put a later activation at the same address. It must
+    still be counted: in CI, once, rank 0 of notebook 11 measured one bf16 activation (64 x 34 x 64) fewer than
+    its twin ranks and the plan."""
     weight = torch.randn(1, requires_grad=True)
+    resized = []  # alive until the end, as FSDP2's resharded parameters are
     for _ in range(100):  # until the CPU allocator hands the freed block out again
         saved = measure.SavedActivations()
         gathered = torch.empty(4096)
         saved.exclude([gathered])
         address = gathered.data_ptr()
+        if resize_to_0:
+            gathered.untyped_storage().resize_(0)
+            resized.append(gathered)
         del gathered
         x = torch.randn(4096)
         if x.data_ptr() == address:

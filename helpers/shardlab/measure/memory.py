@@ -244,7 +244,7 @@ class SavedActivations:
     """
 
     def __init__(self, exclude=()):
-        self._excluded: dict[int, int] = {}  # data_ptr -> how many live excluded storages start there
+        self._excluded: dict[int, list[weakref.ref]] = {}  # data_ptr -> the storages excluded there
         self._seen: set[tuple[int, tuple]] = set()
         self.bytes = 0
         self.tensors = 0
@@ -252,24 +252,28 @@ class SavedActivations:
         self.exclude(exclude)
 
     def exclude(self, tensors) -> None:
-        """Never count these tensors (nor views sharing their first element) while they live: for example the
-        parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook). Once a tensor's storage
-        is freed its address is forgotten: an activation the allocator puts there later is counted."""
+        """Never count these tensors (nor views sharing their first element) while their memory lives: for example
+        the parameters FSDP2 gathers for a layer just before it runs (from a forward pre-hook). Once that memory is
+        given back, the address no longer excludes: an activation the allocator puts there later is counted."""
         for t in tensors:
-            ptr = t.data_ptr()
-            self._excluded[ptr] = self._excluded.get(ptr, 0) + 1
-            weakref.finalize(t.untyped_storage(), self._forget, ptr)
+            self._excluded.setdefault(t.data_ptr(), []).append(weakref.ref(t.untyped_storage()))
 
-    def _forget(self, ptr: int) -> None:
-        if self._excluded.get(ptr, 0) > 1:
-            self._excluded[ptr] -= 1
+    def _is_excluded(self, ptr: int) -> bool:
+        # A storage can give its memory back and live on: FSDP2 reshards a layer's gathered parameters by resizing
+        # their storage to 0 bytes. So the address must still lie inside a live excluded storage, not only have been
+        # excluded once.
+        live = [ref for ref in self._excluded.get(ptr, ())
+                if (s := ref()) is not None and s.data_ptr() <= ptr < s.data_ptr() + s.nbytes()]
+        if live:
+            self._excluded[ptr] = live
         else:
             self._excluded.pop(ptr, None)
+        return bool(live)
 
     def _pack(self, t):
         local = _local(t)
         key = (local.data_ptr(), tuple(local.shape))
-        if local.data_ptr() not in self._excluded and key not in self._seen:
+        if key not in self._seen and not self._is_excluded(local.data_ptr()):
             self._seen.add(key)
             self.bytes += shard_bytes(local)
             self.tensors += 1
