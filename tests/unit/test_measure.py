@@ -96,13 +96,12 @@ def test_an_activation_at_the_address_of_a_resharded_parameter_is_counted():
     x = torch.empty(4096, device="meta")
     gathered = torch.empty(4096, device="meta")
     assert gathered.data_ptr() == x.data_ptr()
-    with measure.SavedActivations(exclude=[gathered]) as while_gathered:
+    with measure.SavedActivations(exclude=[gathered]) as saved:  # as measure_rank excludes FSDP2's, for a layer
         (x * weight).sum()
-    assert while_gathered.bytes == 0  # the gathered parameter's memory: excluded, as FSDP2's are during a layer
-    gathered.untyped_storage().resize_(0)
-    with measure.SavedActivations(exclude=[gathered]) as resharded:
-        (x * weight).sum()
-    assert resharded.bytes == x.numel() * x.element_size()
+        assert saved.bytes == 0  # while gathered, its memory is the parameter's, not an activation
+        gathered.untyped_storage().resize_(0)  # the layer ends: resharded
+        (x * weight).sum()  # the next layer's activation, at that address
+    assert saved.bytes == x.numel() * x.element_size()
 
 
 def test_held_bytes_count_the_storage_behind_a_view_once():
