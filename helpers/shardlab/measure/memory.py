@@ -262,13 +262,8 @@ class SavedActivations:
         # A storage can give its memory back and live on: FSDP2 reshards a layer's gathered parameters by resizing
         # their storage to 0 bytes. So the address must still lie inside a live excluded storage, not only have been
         # excluded once.
-        live = [ref for ref in self._excluded.get(ptr, ())
-                if (s := ref()) is not None and s.data_ptr() <= ptr < s.data_ptr() + s.nbytes()]
-        if live:
-            self._excluded[ptr] = live
-        else:
-            self._excluded.pop(ptr, None)
-        return bool(live)
+        return any((s := ref()) is not None and s.data_ptr() <= ptr < s.data_ptr() + s.nbytes()
+                   for ref in self._excluded.get(ptr, ()))
 
     def _pack(self, t):
         local = _local(t)
