@@ -178,8 +178,8 @@ test: $(STAMP)
 test-system: export SHARDLAB_SYSTEM_SETUP = 1
 test-system: test
 
-# Every notebook at every world size it is tested at: every notebook at 2 ranks (run twice in one kernel) and 12, 13,
-# 14 and 15 at 8 too, which `make test` leaves out for its time budget (it runs 02 to 05, 07, 10 and 11 at 8).
+# Every notebook at every world size it is tested at, with the ones `make test` leaves out for its time budget (which:
+# docs/tests.md).
 test-sizes: $(STAMP)
 	$(COMPILE_HELPERS)
 	SHARDLAB_TEST_ALL_SIZES=1 $(VENV)/bin/python -m pytest -n 2 --dist worksteal \
